@@ -1,0 +1,24 @@
+"""Attention backends over the paged KV cache, chosen by name from a registry."""
+
+from __future__ import annotations
+
+import importlib
+
+from tokenmill.attention.backend import AttentionBackend
+
+_REGISTRY: dict[str, str] = {
+    "torch_ref": "tokenmill.attention.torch_ref:TorchRefBackend",
+    "cpu": "tokenmill.attention.cpu:CpuBackend",
+    "cuda": "tokenmill.attention.cpu:CpuBackend",  # the batched SDPA path runs on CUDA too
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(f"attention backend {name!r} unknown; choose from {available_backends()}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)()  # type: ignore[no-any-return]

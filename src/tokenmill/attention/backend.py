@@ -1,0 +1,70 @@
+"""The attention backend protocol and the per-step batch description it is built from.
+
+The model runner orders a step's sequences decodes first (query length 1), then prefill
+chunks, and describes them once per step in `AttentionMetadata`; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    query_start_loc: list[int]  # [B + 1] offsets of each sequence's tokens in the flat batch
+    seq_lens: list[int]  # [B] context length after this step
+    block_tables: list[list[int]]  # [B] physical block ids
+    num_decodes: int  # sequences [0, num_decodes) have query length 1
+    block_size: int
+    sliding_window: int | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # backend-specific tensors
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        """Build the backend's per-step tensors into meta.extra (once per step, not per layer)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hk, D] this step's keys (already written to the cache)
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values at their slots (before any attention reads them)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def causal_mask(q_positions: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
+    """Bool [Tq, k_len]: True where query at q_positions[i] may see key position j."""
+    k_pos = torch.arange(k_len, device=q_positions.device)
+    mask = k_pos[None, :] <= q_positions[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_positions[:, None] - window
+    return mask
+
+
+def gather_context(cache: torch.Tensor, block_ids: list[int], length: int) -> torch.Tensor:
+    """[length, Hk, D]: the first `length` cached positions of a sequence (a copy)."""
+    n_blocks = -(-length // cache.shape[1])
+    idx = torch.tensor(block_ids[:n_blocks], device=cache.device)
+    return cache.index_select(0, idx).flatten(0, 1)[:length]

@@ -1,0 +1,75 @@
+"""The fast path: all decodes of a step in one batched SDPA call over a single gather of
+their context (GQA without repeating K/V: the query heads of a group become the query
+length), and prefill chunks with no earlier context attend to their own fresh K/V with no
+cache read at all. Tested against torch_ref."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        d = meta.num_decodes
+        if d == 0:
+            return
+        lens = torch.tensor(meta.seq_lens[:d], device=device)
+        max_len = max(meta.seq_lens[:d])
+        n_blocks = -(-max_len // meta.block_size)
+        table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
+                              for bt in meta.block_tables[:d]], device=device)
+        offsets = torch.arange(meta.block_size, device=device)
+        idx = (table[:, :, None] * meta.block_size + offsets).view(d, -1)[:, :max_len]
+        pos = torch.arange(max_len, device=device)
+        mask = pos[None, :] < lens[:, None]
+        if meta.sliding_window is not None:
+            mask &= pos[None, :] >= (lens - meta.sliding_window)[:, None]
+        meta.extra["decode_index"] = idx.reshape(-1)
+        meta.extra["decode_mask"] = mask[:, None, None, :]
+
+    def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+        for b in range(d, meta.num_seqs):
+            s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            out[s:e] = self._prefill(q[s:e], k_new[s:e], v_new[s:e], k_cache, v_cache, meta, b, scale)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        d, hq, dim = q.shape
+        hk = k_cache.shape[2]
+        idx, mask = meta.extra["decode_index"], meta.extra["decode_mask"]
+        length = mask.shape[-1]
+        k = k_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
+        v = v_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
+        qg = q.view(d, hk, hq // hk, dim)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return o.reshape(d, hq, dim)
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, b: int, scale: float) -> torch.Tensor:
+        n = q.shape[0]
+        ctx = meta.seq_lens[b]
+        window = meta.sliding_window
+        qh = q.transpose(0, 1).unsqueeze(0)
+        if ctx == n and (window is None or window >= n):
+            k = k_new.transpose(0, 1).unsqueeze(0)
+            v = v_new.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k = gather_context(k_cache, meta.block_tables[b], ctx).transpose(0, 1).unsqueeze(0)
+            v = gather_context(v_cache, meta.block_tables[b], ctx).transpose(0, 1).unsqueeze(0)
+            mask = causal_mask(torch.arange(ctx - n, ctx, device=q.device), ctx, window)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,216 @@
+"""Engine configuration: one flat `EngineArgs` (CLI and Python API) validated once into frozen
+per-area configs. After `EngineArgs.create_engine_config()` every component trusts its config.
+
+This module imports no torch, so the pure-Python core can use these types.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import MISSING, dataclass, fields
+
+import psutil
+
+from tokenmill.models.arch import ArchConfig, load_arch_config
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30}
+DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str  # resolved: bfloat16 | float16 | float32
+    max_model_len: int
+    seed: int
+    arch: ArchConfig
+    served_model_name: str
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_bytes: int
+    num_kv_blocks: int | None  # explicit pool size (tests, tuning); overrides kv_cache_bytes
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str  # cpu | cuda
+    num_threads: int | None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    attention_backend: str
+
+
+def parse_memory(value: str | int | float) -> int | float:
+    """'4GiB' / '512MB' / 1073741824 -> bytes (int); '0.3' / 0.3 -> fraction of free RAM (float)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory {value!r} is not a size like '4GiB', '512MB', or a fraction like 0.3")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "" and number <= 1:
+        return number
+    return int(number * _UNITS[unit])
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set; field docs double as CLI help."""
+
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: str | int | float | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    device: str = "auto"
+    num_threads: int | None = None
+    attention_backend: str = "auto"
+
+    def create_engine_config(self) -> EngineConfig:
+        arch = load_arch_config(self.model)
+        device = _resolve_device(self.device)
+        dtype = _resolve_dtype(self.dtype, arch, device)
+        max_model_len = self._max_model_len(arch)
+        self._check_positive()
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < max_model_len:
+            pass  # chunked prefill makes any positive budget work
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "cuda" if device == "cuda" else "cpu"
+        from tokenmill.attention import available_backends
+
+        if backend not in available_backends():
+            raise ValueError(f"attention_backend {backend!r} unknown; choose from {available_backends()}")
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer or self.model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=self.seed,
+                arch=arch,
+                served_model_name=self.served_model_name or self.model,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_bytes=self._kv_cache_bytes(),
+                num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+            device=DeviceConfig(device=device, num_threads=self.num_threads),
+            attention_backend=backend,
+        )
+
+    def _max_model_len(self, arch: ArchConfig) -> int:
+        limit = arch.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len < 1 or self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} must be between 1 and the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        return self.max_model_len
+
+    def _check_positive(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    def _kv_cache_bytes(self) -> int:
+        if self.kv_cache_memory is None:
+            return int(min(DEFAULT_KV_CACHE_BYTES, 0.3 * psutil.virtual_memory().available))
+        value = parse_memory(self.kv_cache_memory)
+        if isinstance(value, float):
+            if not 0 < value <= 1:
+                raise ValueError(f"kv_cache_memory fraction must be in (0, 1], got {value}")
+            return int(value * psutil.virtual_memory().available)
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {value}")
+        return value
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        for f in fields(cls):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = None if f.default is MISSING else f.default
+            if f.type in ("bool",) or isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif f.name in ("max_model_len", "num_kv_blocks", "num_threads", "max_num_seqs",
+                            "max_num_batched_tokens", "block_size", "seed"):
+                parser.add_argument(flag, type=int, default=default)
+            elif f.name == "dtype":
+                parser.add_argument(flag, choices=DTYPES, default=default)
+            else:
+                parser.add_argument(flag, type=str, default=default)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def _resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cpu":
+        return device
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
+    return "cuda" if has_cuda else "cpu"
+
+
+def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype == "auto":
+        dtype = arch.dtype if arch.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+        if dtype == "float16" and device == "cpu":
+            dtype = "bfloat16"  # fp16 matmul is orders of magnitude slower than bf16 on CPUs
+    return dtype
+
+
+def default_num_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))

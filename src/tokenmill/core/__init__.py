@@ -1,0 +1,1 @@
+"""The engine core: scheduling, KV block management and prefix caching. Pure Python, no torch."""

@@ -1,0 +1,106 @@
+"""The pool of KV blocks: reference counts, an LRU of free blocks, and the prefix-cache index.
+
+A free block keeps its hash (and so its cached KV) until it is handed out again: freed
+blocks form an LRU, oldest first, and allocation evicts from the front.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """n fresh blocks (ref 1), evicting the least recently freed cached ones."""
+        if n > len(self._free):
+            raise ValueError(f"asked for {n} blocks with only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._uncache(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def take(self, blocks: Iterable[KVBlock]) -> None:
+        """Share already-filled blocks (prefix hits or forks): ref + 1, out of the free LRU."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the LRU's tail in the
+        order given (so pass a request's blocks tail first: its prefix is evicted last)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:  # hash collision: not a hit
+            return None
+        return block
+
+    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # an identical block is already indexed; this one stays private
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self._cached[block_hash] = block
+
+    def count_in_free(self, blocks: Iterable[KVBlock]) -> int:
+        return sum(1 for b in blocks if b.ref_cnt == 0)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only possible when no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            self._uncache(block)
+        return True
+
+    def _uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None

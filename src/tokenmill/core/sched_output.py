@@ -1,0 +1,56 @@
+"""The contract between the scheduler and the workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen: everything they need to hold its state."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers hold: what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False  # then new_block_ids is the whole new block table
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request (in `req_ids` order): the tokens sampled this step (empty for a
+    prefill chunk that does not reach the end of the known tokens)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # per request: per sampled token (token ids, logprobs, ranks) or None
+    logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
+    # per request: (first position, per position (ids, logprobs, ranks))
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], list[int]]]]] = field(
+        default_factory=dict
+    )

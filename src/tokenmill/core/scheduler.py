@@ -1,0 +1,223 @@
+"""Iteration-level scheduler: each step one flat batch of decodes and prefill chunks under a
+token budget and a sequence cap; recompute preemption when the KV pool runs out."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.messages import EngineCoreOutput, SchedulerStats
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = sched_config
+        self.max_model_len = sched_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # kept sorted by _queue_key
+        self.running: list[Request] = []
+        self._seen_by_workers: set[str] = set()
+        self._finished_ids: set[str] = set()
+        self._preempted_since_seen: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _queue_key(self, req: Request) -> tuple[int, int, float]:
+        # preempted requests go first, then by priority (lower first), then by arrival
+        return (0 if req.status == RequestStatus.PREEMPTED else 1, req.priority, req.arrival_time)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [self._queue_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._queue_key(req)), req)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget,
+                    self.max_model_len - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            new_block_ids = self.kv.allocate_slots(req, n)
+            while new_block_ids is None:
+                victim = self._pick_victim(self.running[i:])
+                preempted = True
+                self._preempt(victim)
+                if victim is req:
+                    break
+                new_block_ids = self.kv.allocate_slots(req, n)
+            if new_block_ids is None:
+                continue  # req itself was preempted; self.running shrank at index i
+            num_scheduled[req.request_id] = n
+            budget -= n
+            cached_reqs.append(self._cached_data(req, new_block_ids))
+            i += 1
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            num_computed = req.num_computed_tokens + len(computed) * self.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            block_ids = self.kv.allocate_slots(req, n, computed)
+            if block_ids is None:
+                break
+            self.waiting.pop(0)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            if req.request_id in self._seen_by_workers:
+                cached_reqs.append(self._cached_data(req, self.kv.block_ids(req.request_id)))
+            else:
+                self._seen_by_workers.add(req.request_id)
+                new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                               block_ids, num_computed))
+
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                               self.config.max_num_batched_tokens - budget, finished)
+
+    def _cached_data(self, req: Request, new_block_ids: list[int]) -> CachedRequestData:
+        resumed = req.request_id in self._preempted_since_seen
+        if resumed:
+            self._preempted_since_seen.discard(req.request_id)
+            new_block_ids = self.kv.block_ids(req.request_id)
+        return CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens, resumed)
+
+    @staticmethod
+    def _pick_victim(candidates: list[Request]) -> Request:
+        # the newest among the lowest-priority (highest priority value) requests not yet
+        # scheduled in this step
+        return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        if req.request_id in self._seen_by_workers:
+            self._preempted_since_seen.add(req.request_id)
+        self._enqueue(req)
+
+    # ---- after the step ------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+            new_tokens = sampled.get(rid) or []
+            prompt_lp = out.prompt_logprobs.get(rid)
+            if not new_tokens and prompt_lp is None:
+                continue
+            for k, tok in enumerate(new_tokens):
+                req.append_output_token(tok)
+                if self._check_stop(req, tok):
+                    new_tokens = new_tokens[:k + 1]
+                    break
+            output = EngineCoreOutput(rid, new_tokens, new_logprobs=out.logprobs.get(rid),
+                                      num_cached_tokens=max(req.num_cached_tokens, 0))
+            if prompt_lp is not None:
+                output.prompt_logprobs_start, output.prompt_logprobs = prompt_lp
+            if req.is_finished:
+                output.finish_reason = req.status.finish_reason
+                output.stop_reason = req.stop_reason
+                self.running.remove(req)
+                self._finish(req, req.status)
+            outputs.append(output)
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and tok in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if tok in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+                return True
+        if (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
+            req.num_tokens >= self.max_model_len
+        ):
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests the front end stopped (e.g. on a stop string)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req.request_id)
+        del self.requests[req.request_id]
+        self._preempted_since_seen.discard(req.request_id)
+        if req.request_id in self._seen_by_workers:
+            self._seen_by_workers.discard(req.request_id)
+            self._finished_ids.add(req.request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )

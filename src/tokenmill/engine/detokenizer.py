@@ -1,0 +1,46 @@
+"""Incremental detokenization that is right for byte-level BPE merges, SentencePiece
+byte-fallback and multi-byte UTF-8: decode a short window of recent ids and emit only
+text that is complete (no trailing U+FFFD replacement character)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT = 5  # ids before the read offset decoded with the window, for leading spaces
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append ids; return the text they completed (possibly empty)."""
+        new_text = ""
+        for tid in token_ids:
+            self.ids.append(tid)
+            new_text += self._step()
+        self.text += new_text
+        return new_text
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
+
+    def _step(self) -> str:
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            if self.prefix_offset > 64:  # keep the window short
+                drop = self.prefix_offset - _CONTEXT
+                self.ids = self.ids[drop:]
+                self.prefix_offset -= drop
+                self.read_offset -= drop
+            return new
+        return ""

@@ -1,0 +1,80 @@
+"""Prompts in, validated EngineCoreRequests out: tokenize, check length and vocabulary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Union
+
+from tokenmill.config import ModelConfig
+from tokenmill.core.messages import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types here
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.config = model_config
+        self.tokenizer = tokenizer
+        eos = set(model_config.arch.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(eos))
+
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return ProcessedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"], add_special_tokens)
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine was started without one")
+            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+            return ProcessedPrompt(prompt, self._check_ids(ids))
+        if isinstance(prompt, (list, tuple)):
+            return ProcessedPrompt(None, self._check_ids(prompt))
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in ids):
+            raise ValueError("prompt token ids must be a list of integers")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{vocab - 1})")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.config.max_model_len} "
+                "(prompt plus at least one output token must fit)"
+            )
+        return list(ids)
+
+    def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                     priority: int = 0, arrival_time: float | None = None) -> EngineCoreRequest:
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.config.max_model_len - len(prompt.prompt_token_ids))
+        return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
+                                 arrival_time or time.time(), priority)

@@ -1,0 +1,97 @@
+"""The offline API, shaped like vLLM's: `LLM(model=PATH).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineArgs
+from tokenmill.engine.input_processor import PromptType
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str, skip_tokenizer_init: bool = False, **engine_args: Any) -> None:
+        unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args), skip_tokenizer_init)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = self._as_list(prompts)
+        params = self._params_list(sampling_params, len(prompt_list))
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+                p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(self.engine.add_request(None, prompt, p, priority[i] if priority else 0))
+        except ValueError as e:
+            self.engine.abort_request(ids)
+            raise ValueError(f"prompt {len(ids)}: {e}") from None
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conv in convs:
+            try:
+                ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                              add_generation_prompt=add_generation_prompt, return_dict=False)
+            except Exception as e:  # jinja and transformers raise various types
+                raise ValueError(f"cannot apply the chat template: {e}") from None
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    @staticmethod
+    def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # type: ignore[arg-type]
+        return list(prompts)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return list(params)

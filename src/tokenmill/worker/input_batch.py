@@ -1,0 +1,94 @@
+"""Worker-side state of the requests it holds, and the flat per-step batch built from a
+SchedulerOutput (decodes first, then prefill chunks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class StepBatch:
+    req_ids: list[str]  # in batch order
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    sample_req_ids: list[str]  # requests whose chunk reaches their last token
+    logits_indices: list[int]  # flat-batch rows whose logits are sampled (same order)
+    prompt_lp_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # rid -> (row0, n, pos0)
+
+
+def update_states(states: dict[str, CachedRequestState], so: SchedulerOutput, device: torch.device) -> None:
+    for rid in so.finished_req_ids:
+        states.pop(rid, None)
+    for new in so.scheduled_new_reqs:
+        gen = None
+        if new.sampling_params.seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(new.sampling_params.seed)
+        states[new.req_id] = CachedRequestState(
+            new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
+            list(new.block_ids), new.num_computed_tokens, gen)
+    for cached in so.scheduled_cached_reqs:
+        st = states[cached.req_id]
+        if cached.resumed_from_preemption:
+            st.block_ids = list(cached.new_block_ids)
+        else:
+            st.block_ids.extend(cached.new_block_ids)
+        st.num_computed_tokens = cached.num_computed_tokens
+
+
+def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block_size: int) -> StepBatch:
+    order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+    num_decodes = sum(1 for r in order if so.num_scheduled_tokens[r] == 1)
+    ids, pos, slots = [], [], []
+    qsl = [0]
+    seq_lens, tables, sample_ids, logits_idx = [], [], [], []
+    prompt_rows: dict[str, tuple[int, int, int]] = {}
+    for rid in order:
+        st = states[rid]
+        n = so.num_scheduled_tokens[rid]
+        start = st.num_computed_tokens
+        p = np.arange(start, start + n)
+        blocks = np.asarray(st.block_ids)
+        ids.append(np.asarray(st.token_ids[start:start + n]))
+        pos.append(p)
+        slots.append(blocks[p // block_size] * block_size + p % block_size)
+        row0 = qsl[-1]
+        qsl.append(row0 + n)
+        seq_lens.append(start + n)
+        tables.append(st.block_ids)
+        if start + n == len(st.token_ids):
+            sample_ids.append(rid)
+            logits_idx.append(row0 + n - 1)
+        if st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
+            # position p's logits score prompt token p + 1
+            count = min(start + n, st.num_prompt_tokens - 1) - start
+            prompt_rows[rid] = (row0, count, start + 1)
+    return StepBatch(order, np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), qsl,
+                     seq_lens, tables, num_decodes, sample_ids, logits_idx, prompt_rows)

@@ -1,0 +1,90 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.attention import get_backend
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.config import EngineConfig, default_num_threads
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.models.loader import TORCH_DTYPES, load_model
+from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
+from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplingRow, topn_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.device.num_threads or default_num_threads())
+        torch.manual_seed(config.model.seed)
+        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.arch = config.model.arch
+        self.model = load_model(config.model.model, self.arch, self.dtype, self.device)
+        self.backend = get_backend(config.attention_backend)
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
+                 self.arch.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.states: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.eos_token_ids = self.arch.eos_token_ids
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.num_blocks,
+                    self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()
+                    * self.kv_cache.element_size() / 2**20)
+
+    def _num_blocks(self) -> int:
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
+        per_block = self.block_size * self.arch.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+        return max(1, self.config.cache.kv_cache_bytes // per_block)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        update_states(self.states, so, self.device)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        step = build_step(self.states, so, self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
+            query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
+            num_decodes=step.num_decodes, block_size=self.block_size, sliding_window=self.arch.sliding_window)
+        self.backend.prepare(meta, self.device)
+        hidden = self.model(torch.from_numpy(step.input_ids).to(self.device),
+                            torch.from_numpy(step.positions).to(self.device), self.kv_caches, meta, self.backend)
+        out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
+        if step.sample_req_ids:
+            self._sample(hidden, step, out)
+        for rid, (row0, n, pos0) in step.prompt_lp_rows.items():
+            out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], rid, pos0))
+        return out
+
+    def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput) -> None:
+        idx = torch.tensor(step.logits_indices, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        rows = []
+        for rid in step.sample_req_ids:
+            st = self.states[rid]
+            rows.append(SamplingRow(st.sampling_params, st.token_ids[:st.num_prompt_tokens],
+                                    st.output_token_ids, self.eos_token_ids, st.generator))
+        sampled = self.sampler(logits, rows)
+        position = {rid: i for i, rid in enumerate(step.req_ids)}
+        for k, (rid, tok) in enumerate(zip(step.sample_req_ids, sampled.token_ids)):
+            self.states[rid].token_ids.append(tok)
+            out.sampled_token_ids[position[rid]] = [tok]
+            if sampled.logprobs and sampled.logprobs[k] is not None:
+                out.logprobs[rid] = [sampled.logprobs[k]]  # type: ignore[list-item]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, pos0: int) -> list[LogprobEntry]:
+        st = self.states[rid]
+        logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
+        targets = torch.tensor(st.token_ids[pos0:pos0 + hidden.shape[0]], device=self.device)
+        return topn_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs or 0)

@@ -1,0 +1,132 @@
+"""Batched sampling: logit processors (min_tokens, logit_bias, penalties), greedy argmax,
+temperature / top-k / top-p / min-p, per-request seeded generators, and raw logprobs.
+
+Random sampling uses the exponential trick (argmax of p / Exp(1)), so a seeded request
+draws exactly one [vocab] vector from its own generator per step, whatever else runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+LogprobEntry = tuple[list[int], list[float], list[int]]
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[LogprobEntry | None] = field(default_factory=list)
+
+
+def apply_logit_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place, row by row, only for the rows that ask for something."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            vals = torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+            logits[i].index_add_(0, ids, vals)
+        if p.needs_penalties:
+            apply_penalties(logits[i], p, row.prompt_token_ids, row.output_token_ids)
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> None:
+    vocab = logits.shape[0]
+    out_counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=logits.device),
+                                minlength=vocab)[:vocab] if output else torch.zeros(vocab, device=logits.device)
+    if p.repetition_penalty != 1.0:
+        seen = out_counts > 0
+        if prompt:
+            seen[torch.tensor(prompt, device=logits.device)] = True
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if p.frequency_penalty:
+        logits -= p.frequency_penalty * out_counts.to(logits.dtype)
+    if p.presence_penalty:
+        logits -= p.presence_penalty * (out_counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k, nucleus top-p and min-p sets.
+    top_k 0 = off. The highest-probability token always survives."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    cum_before = probs.cumsum(dim=-1) - probs
+    drop |= cum_before >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[LogprobEntry]:
+    """Per row: (ids, logprobs, ranks) with the chosen token first, then the top n."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], chosen[:, None][:, :0])
+    out = []
+    for c, lp, r, ti, tl in zip(chosen.tolist(), chosen_lp[:, 0].tolist(), ranks.tolist(),
+                                top_ids.tolist(), top_lp.tolist()):
+        out.append(([c, *ti], [lp, *tl], [r, *range(1, len(ti) + 1)]))
+    return out
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        max_logprobs = max((r.params.logprobs or 0) for r in rows) if rows else 0
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        apply_logit_processors(logits, rows)
+        chosen = self._choose(logits, rows)
+        token_ids = chosen.tolist()
+        out = SamplerOutput(token_ids)
+        if raw_logprobs is not None:
+            entries = topn_logprobs(raw_logprobs, chosen, max_logprobs)
+            for row, (ids, lps, rks) in zip(rows, entries):
+                n = row.params.logprobs
+                out.logprobs.append(None if n is None else (ids[: n + 1], lps[: n + 1], rks[: n + 1]))
+        return out
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if all(r.params.greedy for r in rows):
+            return greedy
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        scaled = logits / temps[:, None]
+        if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
+            scaled = filter_logits(scaled, top_k, top_p, min_p)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
+        return torch.where(is_greedy, greedy, sampled)

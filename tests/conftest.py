@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from tests.fixtures import MODEL_SPECS, build_model, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = str(tmp_path_factory.mktemp("tokenizer"))
+    train_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_model(name, os.path.join(root, name), tokenizer_dir) for name in MODEL_SPECS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, str]) -> str:
+    return model_dirs["llama-gqa2-tied"]
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

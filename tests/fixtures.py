@@ -1,0 +1,109 @@
+"""Tiny random-weight HF checkpoints built from real architecture configs, plus a byte-level
+BPE tokenizer trained in seconds on the Python standard library's own sources."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from typing import Any
+
+import torch
+
+VOCAB = 512
+EOS = 0
+BOS = 1
+
+
+def train_tokenizer(out_dir: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))[:40]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|bos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train(files, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(out_dir)
+
+
+BASE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+                            bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.2)
+
+MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (architecture, config overrides)
+    "llama-gqa4-untied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=False,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})),
+    "llama-gqa2-tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-mha": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False)),
+    "qwen3-qknorm": ("qwen3", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
+    "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=24, tie_word_embeddings=False)),
+}
+
+
+def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+    import shutil
+
+    import transformers
+
+    arch, overrides = MODEL_SPECS[name]
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    cfg = cfg_cls(**{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():  # non-trivial biases and norm weights, so their loading is tested
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.normal_(1.0 if "norm" in pname else 0.0, 0.2)
+    model.save_pretrained(out_dir)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
+    return out_dir
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: transformers generate, greedy, float32, EOS ignored (so lengths are fixed)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = _hf_model(model_dir)
+    model.generation_config.eos_token_id = None
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                           eos_token_id=None, pad_token_id=EOS, bos_token_id=BOS)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                             dtype=torch.long), generation_config=gen)
+    return out[0, len(prompt_ids):].tolist()
+
+
+_HF_CACHE: dict[str, Any] = {}
+
+
+def _hf_model(model_dir: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _HF_CACHE:
+        _HF_CACHE[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _HF_CACHE[model_dir]
+
+
+def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of HF's logits at every position, float32."""
+    with torch.no_grad():
+        logits = _hf_model(model_dir)(torch.tensor([token_ids])).logits[0]
+    return logits.float().log_softmax(-1)
