@@ -79,7 +79,7 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> s
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Reference: transformers generate, greedy, float32, EOS ignored (so lengths are fixed)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     model = _hf_model(model_dir)
     model.generation_config.eos_token_id = None

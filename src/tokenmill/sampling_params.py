@@ -97,7 +97,7 @@ class SamplingParams:
     def clone(self, **changes: object) -> SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)
-        return SamplingParams(**values)  # type: ignore[arg-type]
+        return SamplingParams(**values)
 
 
 def _is_int(x: object) -> bool:

@@ -21,4 +21,5 @@ def get_backend(name: str) -> AttentionBackend:
     if name not in _REGISTRY:
         raise ValueError(f"attention backend {name!r} unknown; choose from {available_backends()}")
     module, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)()  # type: ignore[no-any-return]
+    backend: AttentionBackend = getattr(importlib.import_module(module), cls)()
+    return backend

@@ -14,7 +14,8 @@ class TorchRefBackend:
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         return None
 
-    def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]

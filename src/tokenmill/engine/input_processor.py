@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 
 
 @dataclass

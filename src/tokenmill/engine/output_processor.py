@@ -152,7 +152,7 @@ class OutputProcessor:
 
     def _logprobs(self, entry: PositionLogprobsWire) -> PositionLogprobs:
         ids, lps, ranks = entry
-        return {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in zip(ids, lps, ranks)}
+        return {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in zip(ids, lps, ranks, strict=False)}
 
     def _decode_one(self, tid: int) -> str | None:
         return None if self.tokenizer is None else str(self.tokenizer.decode([tid]))

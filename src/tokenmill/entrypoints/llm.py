@@ -37,7 +37,7 @@ class LLM:
         params = self._params_list(sampling_params, len(prompt_list))
         ids: list[str] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=False)):
                 p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(self.engine.add_request(None, prompt, p, priority[i] if priority else 0))
         except ValueError as e:
@@ -83,7 +83,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]  # type: ignore[arg-type]
+            return [[int(t) for t in prompts]]
         return list(prompts)  # type: ignore[arg-type]
 
     @staticmethod

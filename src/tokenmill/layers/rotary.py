@@ -35,13 +35,15 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inv_frequencies(self.rot_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
-        partial_rotary_factor=float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))),
+        partial_rotary_factor=float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0),
     )
 
 

@@ -75,7 +75,7 @@ def _read_into(f: Any, offset: int, nbytes: int, dest: torch.Tensor, src_dtype: 
     f.seek(offset)
     direct = dest.dtype == src_dtype and dest.device.type == "cpu" and dest.is_contiguous()
     buf = dest.view(torch.uint8) if direct else torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.reshape(-1).numpy())
+    view = memoryview(buf.reshape(-1).numpy())  # type: ignore[arg-type]
     if f.readinto(view) != nbytes:
         raise ValueError(f"{path} is truncated")
     if not direct:

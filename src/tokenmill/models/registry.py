@@ -19,4 +19,5 @@ def get_model_class(architecture: str) -> type:
     if architecture not in _REGISTRY:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(_REGISTRY))}")
     module, cls = _REGISTRY[architecture].split(":")
-    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+    model_cls: type = getattr(importlib.import_module(module), cls)
+    return model_cls

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
-        self.model = load_model(config.model.model, self.arch, self.dtype, self.device)
+        self.model: Any = load_model(config.model.model, self.arch, self.dtype, self.device)
         self.backend = get_backend(config.attention_backend)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
@@ -77,7 +78,7 @@ class ModelRunner:
                                     st.output_token_ids, self.eos_token_ids, st.generator))
         sampled = self.sampler(logits, rows)
         position = {rid: i for i, rid in enumerate(step.req_ids)}
-        for k, (rid, tok) in enumerate(zip(step.sample_req_ids, sampled.token_ids)):
+        for k, (rid, tok) in enumerate(zip(step.sample_req_ids, sampled.token_ids, strict=False)):
             self.states[rid].token_ids.append(tok)
             out.sampled_token_ids[position[rid]] = [tok]
             if sampled.logprobs and sampled.logprobs[k] is not None:

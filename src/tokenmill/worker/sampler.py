@@ -87,7 +87,7 @@ def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[
     top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], chosen[:, None][:, :0])
     out = []
     for c, lp, r, ti, tl in zip(chosen.tolist(), chosen_lp[:, 0].tolist(), ranks.tolist(),
-                                top_ids.tolist(), top_lp.tolist()):
+                                top_ids.tolist(), top_lp.tolist(), strict=False):
         out.append(([c, *ti], [lp, *tl], [r, *range(1, len(ti) + 1)]))
     return out
 
@@ -104,7 +104,7 @@ class Sampler:
         out = SamplerOutput(token_ids)
         if raw_logprobs is not None:
             entries = topn_logprobs(raw_logprobs, chosen, max_logprobs)
-            for row, (ids, lps, rks) in zip(rows, entries):
+            for row, (ids, lps, rks) in zip(rows, entries, strict=False):
                 n = row.params.logprobs
                 out.logprobs.append(None if n is None else (ids[: n + 1], lps[: n + 1], rks[: n + 1]))
         return out

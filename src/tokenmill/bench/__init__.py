@@ -1,0 +1,1 @@
+"""Benchmarks that write JSON results: throughput (offline), and more under `tokenmill bench`."""

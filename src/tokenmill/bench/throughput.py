@@ -1,0 +1,80 @@
+"""`tokenmill bench throughput`: offline generation of a whole workload at once, timed after a
+warm-up, the prefix cache emptied before each run; JSON with tok/s and peak RSS."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from tokenmill.bench.results import emit, peak_rss_mb
+from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
+from tokenmill.config import EngineArgs
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--dataset", help="JSONL of {prompt|prompt_token_ids, max_tokens}; else random prompts")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", default="32:512", help="A or A:B tokens (random workload)")
+    p.add_argument("--output-len", default="32:256", help="C or C:D tokens (random workload)")
+    p.add_argument("--vocab-low", type=int, default=10)
+    p.add_argument("--vocab-high", type=int, default=None, help="default: the model's vocab size")
+    p.add_argument("--shared-prefix-len", type=int, default=0)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    p.add_argument("--no-detokenize", dest="detokenize", action="store_false")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
+    if args.dataset:
+        return load_jsonl(args.dataset)
+    return random_workload(args.num_prompts, args.input_len, args.output_len, args.vocab_low,
+                           args.vocab_high or vocab, args.workload_seed, args.shared_prefix_len)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, skip_tokenizer_init=not args.detokenize,
+              **{k: v for k, v in vars(engine_args).items() if k != "model"})
+    load_s = time.perf_counter() - t0
+    config = llm.engine.config
+    reqs = workload(args, config.model.arch.vocab_size)
+    prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} if r.prompt_token_ids else r.prompt
+                          for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=args.ignore_eos)
+              for r in reqs]
+    llm.generate(prompts[:16], [p.clone(max_tokens=min(16, p.max_tokens or 16)) for p in params[:16]],
+                 use_tqdm=False)
+    walls, prompt_tokens, output_tokens = [], 0, 0
+    for _ in range(args.runs):
+        llm.engine.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    wall = statistics.median(walls)
+    emit({
+        "engine": "tokenmill", "bench": "throughput", "model": args.model,
+        "threads": config.device.num_threads, "dtype": config.model.dtype, "device": config.device.device,
+        "attention_backend": config.attention_backend, "requests": len(reqs),
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "wall_s": round(wall, 3), "wall_s_runs": [round(w, 3) for w in walls], "runs": args.runs,
+        "requests_per_s": round(len(reqs) / wall, 3), "output_tok_s": round(output_tokens / wall, 1),
+        "total_tok_s": round((prompt_tokens + output_tokens) / wall, 1), "load_s": round(load_s, 2),
+        "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
+        "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "prefix_caching": config.cache.enable_prefix_caching, "detokenize": args.detokenize,
+        "ignore_eos": args.ignore_eos,
+    }, args.output_json)
+    return 0
