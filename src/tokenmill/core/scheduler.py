@@ -147,7 +147,7 @@ class Scheduler:
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=False))
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:
