@@ -52,7 +52,7 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_shard_size: str | None = None) -> str:
     import shutil
 
     import transformers
@@ -71,7 +71,7 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> s
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 p.normal_(1.0 if "norm" in pname else 0.0, 0.2)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     for f in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
     return out_dir

@@ -33,7 +33,10 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
                  self.arch.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On CPU a pool this large is a fresh anonymous mapping: zero pages, faulted in lazily as
+        # blocks are first written, so start-up does not touch (or commit) the whole budget.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.kv_cache = alloc(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()

@@ -1,0 +1,84 @@
+"""The offline API as a vLLM user would drive it, and `tokenmill generate`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill import LLM, RequestOutput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: str) -> LLM:
+    return LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB")
+
+
+def test_prompt_forms_agree(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    text = "def main():\n    return"
+    ids = tok(text)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([text, ids, {"prompt_token_ids": ids}, {"prompt": text}], params, use_tqdm=False)
+    assert all(isinstance(o, RequestOutput) and o.finished for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert outs[0].prompt == text and outs[0].prompt_token_ids == ids
+    assert outs[0].outputs[0].text == tok.decode(outs[0].outputs[0].token_ids, skip_special_tokens=True)
+    assert outs[0].outputs[0].finish_reason == "length"
+
+
+def test_outputs_in_input_order_with_timing(llm: LLM) -> None:
+    prompts = [[10 + i] * (3 + 7 * i) for i in range(6)]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True)
+                                  for i in range(6)], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2 + i for i in range(6)]
+    for o in outs:
+        m = o.metrics
+        assert m is not None and m.first_token_time is not None and m.finished_time is not None
+        assert m.arrival_time <= m.first_token_time <= m.finished_time
+
+
+def test_n_samples_and_seed(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    a = llm.generate(["import os"], params, use_tqdm=False)[0]
+    b = llm.generate(["import os"], params, use_tqdm=False)[0]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # children draw different seeds
+
+
+def test_chat_uses_template(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hello"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("assistant:")
+    assert out.prompt_token_ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_eos_stops_unless_ignored(llm: LLM) -> None:
+    # ban everything but EOS (id 0) so the first sampled token is EOS
+    bias = {i: -100.0 for i in range(1, 512)}
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=5, logit_bias=bias), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [0] and out.outputs[0].finish_reason == "stop"
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=5, logit_bias=bias, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [0] * 5 and out.outputs[0].finish_reason == "length"
+
+
+def test_progress_bar(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_cli_generate(llama_dir: str) -> None:
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "generate", "--model", llama_dir, "--dtype",
+           "float32", "--kv-cache-memory", "4MiB", "--max-tokens", "6", "import sys"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="4MiB")
+    expected = llm.generate(["import sys"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert done.stdout == expected[0].outputs[0].text + "\n"

@@ -1,0 +1,89 @@
+"""Checkpoint loading: sharded safetensors, both config.json dialects, dtype resolution."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.conftest import random_prompts
+from tests.fixtures import build_model, hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineArgs, _resolve_dtype
+from tokenmill.models.arch import load_arch_config, parse_arch_config
+from tokenmill.models.loader import checkpoint_files
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_sharded_checkpoint_matches_hf(tmp_path: os.PathLike[str], tokenizer_dir: str) -> None:
+    model_dir = build_model("llama-gqa4-untied", os.path.join(tmp_path, "sharded"), tokenizer_dir,
+                            max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(model_dir, "model.safetensors.index.json"))
+    assert len(checkpoint_files(model_dir)) > 1
+    prompt = random_prompts(1, 20, 20, seed=3)[0]
+    out = LLM(model_dir, dtype="float32", kv_cache_memory="4MiB").generate([prompt], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(model_dir, prompt, 12)
+
+
+def _to_transformers4_dialect(cfg: dict) -> dict:
+    cfg = dict(cfg)
+    params = cfg.pop("rope_parameters", None) or {}
+    cfg["torch_dtype"] = cfg.pop("dtype", "float32")
+    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if params.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = params
+    return cfg
+
+
+def test_both_config_dialects_parse_alike(model_dirs: dict[str, str]) -> None:
+    with open(os.path.join(model_dirs["llama-gqa4-untied"], "config.json")) as f:
+        v5 = json.load(f)
+    assert "rope_parameters" in v5 and "dtype" in v5  # written by transformers 5
+    a, b = parse_arch_config(v5), parse_arch_config(_to_transformers4_dialect(v5))
+    assert a == b
+    assert a.rope.rope_type == "llama3" and a.rope.factor == 8.0
+    assert a.num_kv_heads == 1 and not a.tie_word_embeddings
+
+
+def test_transformers4_dialect_checkpoint_generates_alike(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    src = model_dirs["llama-gqa4-untied"]
+    dst = os.path.join(tmp_path, "v4")
+    shutil.copytree(src, dst)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = _to_transformers4_dialect(json.load(f))
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    prompt = random_prompts(1, 30, 30, seed=4)[0]
+    got = [LLM(d, dtype="float32", kv_cache_memory="4MiB").generate([prompt], GREEDY, use_tqdm=False)[0]
+           .outputs[0].token_ids for d in (src, dst)]
+    assert got[0] == got[1] == hf_greedy(src, prompt, 12)
+
+
+def test_dtype_resolution(model_dirs: dict[str, str]) -> None:
+    arch = load_arch_config(model_dirs["qwen2-mha"])
+    fp16 = parse_arch_config({**_raw(model_dirs["qwen2-mha"]), "dtype": "float16"})
+    assert _resolve_dtype("auto", arch, "cpu") == "float32"  # the fixture is saved in float32
+    assert _resolve_dtype("auto", fp16, "cpu") == "bfloat16"  # fp16 matmul is ~300x slower on CPU
+    assert _resolve_dtype("auto", fp16, "cuda") == "float16"
+    assert _resolve_dtype("float16", fp16, "cpu") == "float16"  # asked for explicitly
+    with pytest.raises(ValueError, match="dtype"):
+        _resolve_dtype("int3", arch, "cpu")
+
+
+def test_kv_pool_from_memory_budget(model_dirs: dict[str, str]) -> None:
+    model_dir = model_dirs["llama-gqa2-tied"]
+    cfg = EngineArgs(model=model_dir, dtype="float32", kv_cache_memory="1MiB").create_engine_config()
+    arch = cfg.model.arch
+    per_token = arch.kv_bytes_per_token * 4
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="1MiB", max_model_len=256)
+    assert llm.engine.core.num_blocks == 2**20 // (16 * per_token)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model_dir, dtype="float32", kv_cache_memory="64KiB")  # fewer tokens than max_model_len
+
+
+def _raw(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
