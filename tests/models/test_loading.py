@@ -48,7 +48,8 @@ def test_both_config_dialects_parse_alike(model_dirs: dict[str, str]) -> None:
     assert a.num_kv_heads == 1 and not a.tie_word_embeddings
 
 
-def test_transformers4_dialect_checkpoint_generates_alike(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+def test_transformers4_dialect_checkpoint_generates_alike(model_dirs: dict[str, str],
+                                                          tmp_path: os.PathLike[str]) -> None:
     src = model_dirs["llama-gqa4-untied"]
     dst = os.path.join(tmp_path, "v4")
     shutil.copytree(src, dst)
