@@ -12,12 +12,12 @@ from tests.conftest import random_prompts
 from tests.fixtures import MODEL_SPECS, hf_greedy
 from tokenmill import LLM, SamplingParams
 
-BACKENDS = ["torch_ref", "cpu"]
+BACKENDS = ["torch_ref", "sdpa", "cpu"]
 PROMPTS = random_prompts(9, 3, 60, seed=1)  # mistral's window (24) is shorter than most
 MAX_TOKENS = [7, 30, 12, 25, 3, 18, 30, 9, 21]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model_dir: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     return hf_greedy(model_dir, list(prompt), max_tokens)
 

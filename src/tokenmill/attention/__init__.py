@@ -9,7 +9,8 @@ from tokenmill.attention.backend import AttentionBackend
 _REGISTRY: dict[str, str] = {
     "torch_ref": "tokenmill.attention.torch_ref:TorchRefBackend",
     "cpu": "tokenmill.attention.cpu:CpuBackend",
-    "cuda": "tokenmill.attention.cpu:CpuBackend",  # the batched SDPA path runs on CUDA too
+    "sdpa": "tokenmill.attention.cpu:SdpaBackend",
+    "cuda": "tokenmill.attention.cpu:SdpaBackend",  # the batched SDPA path, on the GPU
 }
 
 

@@ -1,7 +1,13 @@
-"""The fast path: all decodes of a step in one batched SDPA call over a single gather of
-their context (GQA without repeating K/V: the query heads of a group become the query
-length), and prefill chunks with no earlier context attend to their own fresh K/V with no
-cache read at all. Tested against torch_ref."""
+"""Fast attention paths, tested against torch_ref.
+
+`SdpaBackend` (any device): all decodes of a step in one batched SDPA call over a single
+gather of their context (GQA without repeating K/V: the query heads of a group become the
+query length); prefill chunks with no earlier context attend to their own fresh K/V with no
+cache read at all.
+
+`CpuBackend`: the same prefill path; decodes read K/V in place from the paged cache in a C++
+kernel (csrc/paged_decode.cpp), with no gather copy. Falls back to SDPA where the kernel
+cannot be built."""
 
 from __future__ import annotations
 
@@ -9,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context
+from tokenmill.attention.cpu_kernels import load_cpu_kernels
 
 
-class CpuBackend:
-    name = "cpu"
+class SdpaBackend:
+    name = "sdpa"
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         d = meta.num_decodes
@@ -43,8 +50,7 @@ class CpuBackend:
             out[s:e] = self._prefill(q[s:e], k_new[s:e], v_new[s:e], k_cache, v_cache, meta, b, scale)
         return out
 
-    @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         d, hq, dim = q.shape
         hk = k_cache.shape[2]
@@ -73,3 +79,29 @@ class CpuBackend:
             mask = causal_mask(torch.arange(ctx - n, ctx, device=q.device), ctx, window)
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
+
+
+class CpuBackend(SdpaBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.ops = load_cpu_kernels()
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        d = meta.num_decodes
+        if self.ops is None or device.type != "cpu":
+            return super().prepare(meta, device)
+        if d == 0:
+            return
+        n_blocks = max(len(bt) for bt in meta.block_tables[:d])
+        table = [bt + [0] * (n_blocks - len(bt)) for bt in meta.block_tables[:d]]
+        meta.extra["decode_tables"] = torch.tensor(table, dtype=torch.int32)
+        meta.extra["decode_lens"] = torch.tensor(meta.seq_lens[:d], dtype=torch.int32)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if "decode_tables" not in meta.extra:
+            return super()._decode(q, k_cache, v_cache, meta, scale)
+        return self.ops.paged_decode(q.contiguous(), k_cache, v_cache,  # type: ignore[union-attr]
+                                     meta.extra["decode_tables"], meta.extra["decode_lens"], scale,
+                                     meta.sliding_window or 0)

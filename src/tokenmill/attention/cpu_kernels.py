@@ -1,0 +1,26 @@
+"""Builds (once, cached by torch's extension builder) and loads tokenmill's C++ CPU kernels.
+Returns None where they cannot be built, so callers fall back to their torch path."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_kernels() -> object | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="tokenmill_cpu_kernels", sources=[_SRC], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"])
+        return torch.ops.tokenmill_cpu
+    except Exception as e:  # a missing compiler or ninja: the torch path still works
+        logger.warning("C++ CPU kernels unavailable (%s); using the torch attention path", e)
+        return None

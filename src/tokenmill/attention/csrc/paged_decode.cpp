@@ -1,0 +1,186 @@
+// Paged decode attention for CPUs: one query token per sequence attends to its context read in
+// place from the paged KV cache (no gather copy). Work items are (sequence, kv head) pairs, run
+// in parallel; the query heads of a GQA group share each K/V row load. Online softmax per
+// block of keys, accumulated in float32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    dst[i] = f;
+  }
+}
+
+inline void load_row(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// exp(x) for x <= 0 with ~2 ulp error, written so loops over it vectorize (libm's expf does not):
+// x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n by exponent bits.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
+// DIM > 0 fixes the head size at compile time (fully unrolled); 0 means "use n".
+template <int64_t DIM>
+inline float dot(const float* a, const float* b, int64_t n) {
+  const int64_t len = DIM > 0 ? DIM : n;
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < len; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+template <int64_t DIM>
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  const int64_t len = DIM > 0 ? DIM : n;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) y[i] += p * x[i];
+}
+
+template <typename T, int64_t DIM>
+void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
+            int64_t num_seqs, int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks,
+            float scale, int64_t window) {
+  // One work item per sequence: each cache block's K (then V) rows for all kv heads are one
+  // contiguous run of bs * hk * dim elements, streamed in order.
+  const int64_t group = hq / hk, row_len = hk * dim;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(hq * dim), acc(hq * dim), row(row_len), s(hq * bs), m(hq), l(hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      load_row(q + b * hq * dim, qf.data(), hq * dim);
+      for (int64_t i = 0; i < hq * dim; ++i) qf[i] *= scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t bi = start / bs; bi * bs < len; ++bi) {
+        const int64_t blk = tables[b * max_blocks + bi];
+        const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
+        const int64_t base = (blk * bs + (p0 - bi * bs)) * row_len;
+        if ((bi + 1) * bs < len) {  // the next block is elsewhere in memory: fetch it while we work
+          const int64_t next = tables[b * max_blocks + bi + 1] * bs * row_len;
+          prefetch(kc + next, bs * row_len);
+          prefetch(vc + next, bs * row_len);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(kc + base + j * row_len, row.data(), row_len);
+          for (int64_t kh = 0, h = 0; kh < hk; ++kh)
+            for (int64_t g = 0; g < group; ++g, ++h)
+              s[h * bs + j] = dot<DIM>(qf.data() + h * dim, row.data() + kh * dim, dim);
+        }
+        for (int64_t h = 0; h < hq; ++h) {
+          float* sh = s.data() + h * bs;
+          float bmax = m[h];
+          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[j]);
+          const float corr = std::exp(m[h] - bmax);
+          m[h] = bmax;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            sh[j] = exp_nonpos(sh[j] - bmax);
+            sum += sh[j];
+          }
+          l[h] = l[h] * corr + sum;
+          float* a = acc.data() + h * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(vc + base + j * row_len, row.data(), row_len);
+          for (int64_t kh = 0, h = 0; kh < hk; ++kh)
+            for (int64_t g = 0; g < group; ++g, ++h)
+              axpy<DIM>(s[h * bs + j], row.data() + kh * dim, acc.data() + h * dim, dim);
+        }
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        float* a = acc.data() + h * dim;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) a[d] *= inv;
+      }
+      store_row(acc.data(), out + b * hq * dim, hq * dim);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "need contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "need int32");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty_like(q);
+  const int64_t hq = q.size(1), dim = q.size(2), bs = k_cache.size(1), hk = k_cache.size(2);
+  TORCH_CHECK(hq % hk == 0 && k_cache.size(3) == dim, "head shapes do not match");
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    auto kernel = dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
+    kernel(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int32_t>(),
+              lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), hq, hk, dim, bs, tables.size(1),
+              static_cast<float>(scale), window);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<at::BFloat16*>(nullptr)); break;
+    case at::kHalf: run(static_cast<at::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
