@@ -6,20 +6,22 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"]
 
 
 @functools.lru_cache(maxsize=1)
-def load_cpu_kernels() -> object | None:
+def load_cpu_kernels() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
         load(name="tokenmill_cpu_kernels", sources=[_SRC], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"])
+             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
         return torch.ops.tokenmill_cpu
     except Exception as e:  # a missing compiler or ninja: the torch path still works
         logger.warning("C++ CPU kernels unavailable (%s); using the torch attention path", e)
