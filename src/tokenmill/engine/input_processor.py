@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +21,31 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+_PLAIN_FAST_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 
+
+def load_tokenizer(path: str) -> Any:
+    """transformers' tokenizer for the checkpoint. A plain tokenizer.json (no model-specific
+    tokenizer class) is loaded without AutoTokenizer, whose imports cost seconds of start-up."""
     try:
+        if _tokenizer_class(path) in _PLAIN_FAST_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def _tokenizer_class(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cls if isinstance(cls, str) else None
 
 
 class InputProcessor:
@@ -74,6 +94,11 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None) -> EngineCoreRequest:
+        vocab = self.config.arch.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:  # the sampler indexes logits with these ids
+                raise ValueError(f"{name} has token id {bad[0]}, out of vocabulary (valid ids are 0..{vocab - 1})")
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.config.max_model_len - len(prompt.prompt_token_ids))
         return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
