@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "tokenmill.entrypoints.cli_generate",
     "tokenmill.entrypoints.cli_serve",
     "tokenmill.bench.cli",
+    "tokenmill.bench.plan",
 ]
 
 
