@@ -10,6 +10,7 @@ import torch
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.config import EngineConfig, default_num_threads
+from tokenmill.layers.linear import pack_linears
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
@@ -28,6 +29,8 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
         self.model: Any = load_model(config.model.model, self.arch, self.dtype, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            pack_linears(self.model)
         self.backend = get_backend(config.attention_backend)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
