@@ -14,7 +14,13 @@ from typing import Any
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory. VmHWM where Linux has it: ru_maxrss keeps the
+    forking parent's size across exec, which misreports a small child of a big parent."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def git_commit() -> str | None:

@@ -38,11 +38,11 @@ def pack_linears(model: nn.Module) -> int:
     if not packing_available():
         logger.info("oneDNN weight packing unavailable; using plain linear layers")
         return 0
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 \
-                    and child.weight.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-    return count
+    # hold (parent, name) pairs, not the layers: each old weight must be freed as soon as its
+    # packed copy exists, or peak memory doubles
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
+               and child.weight.device.type == "cpu"]
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
+    return len(targets)
