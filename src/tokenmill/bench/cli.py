@@ -9,6 +9,7 @@ KINDS = {
     "throughput": ("tokenmill.bench.throughput", "offline throughput over a workload"),
     "latency": ("tokenmill.bench.latency", "batch-1/batch-N prefill and decode latency vs the roofline"),
     "serve": ("tokenmill.bench.serve", "load generator against an OpenAI-compatible server"),
+    "roofline": ("tokenmill.bench.roofline", "this machine's memory bandwidth and matmul GFLOP/s (cached)"),
 }
 
 

@@ -1,0 +1,174 @@
+"""`tokenmill bench latency`: prefill time and per-token decode time of a batch of B equal requests
+(B=1 by default), timed after a warm-up, set beside the roofline floor of the same step.
+
+Per run: `LLM.generate` of B random token-id prompts of --input-len tokens, greedy, EOS ignored,
+--output-len tokens each, prefix cache emptied first. Prefill is the time until every request has its
+first token (RequestOutput.metrics: first arrival -> last first_token_time; a separate max_tokens=1
+run where metrics are missing). Decode per token is (total - prefill) / (output_len - 1).
+
+Roofline: a decode step reads the weights (lm_head in full, embedding rows only) plus the KV of B
+sequences at the average decode context (input + output/2); floor = those bytes / mem_read_GBps and
+MBU = bytes per step x steps/s / mem_read_GBps. Prefill MFU = 2 x matmul params x prefill tok/s /
+matmul GFLOP/s of the dtype. Bandwidth and FLOP/s come from --bandwidth/--flops, else the roofline
+cache, else one measurement at the engine's thread count (then cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.bench.model_math import ModelCost, decode_floor
+from tokenmill.bench.results import emit, peak_rss_mb
+from tokenmill.bench.roofline import Ceilings, ceilings
+from tokenmill.bench.workload import random_workload
+from tokenmill.config import EngineArgs
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (at most 16 output tokens each)")
+    p.add_argument("--vocab-low", type=int, default=10)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (else measured/cached)")
+    p.add_argument("--flops", type=float, default=None, help="matmul GFLOP/s of the dtype (else measured/cached)")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="never measure the roofline; MBU/MFU only from --bandwidth/--flops or the cache")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits (tiny models give tiny figures; fixed decimals would zero them)."""
+    return float(f"{x:.{digits}g}")
+
+
+@dataclass
+class RunTiming:
+    total_s: float
+    prefill_s: float
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag in ("input_len", "batch_size", "runs"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.output_len < 2:
+        raise ValueError("--output-len must be >= 2 (one prefill token plus at least one decode step)")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+
+
+def _prefill_from_metrics(outs: list[Any]) -> float | None:
+    metrics = [o.metrics for o in outs]
+    if any(m is None or m.first_token_time is None for m in metrics):
+        return None
+    return max(m.first_token_time for m in metrics) - min(m.arrival_time for m in metrics)
+
+
+def timed_runs(llm: Any, prompts: list[Any], params: Any, runs: int) -> tuple[list[RunTiming], str]:
+    timings, source = [], "metrics"
+    for _ in range(runs):
+        llm.engine.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        total = time.perf_counter() - t0
+        got = sum(len(o.outputs[0].token_ids) for o in outs)
+        if got != len(prompts) * params.max_tokens:
+            raise ValueError(f"asked for {len(prompts) * params.max_tokens} output tokens, got {got}")
+        prefill = _prefill_from_metrics(outs)
+        if prefill is None:  # no per-request metrics: time a one-token run instead
+            source = "max_tokens=1 run"
+            llm.engine.reset_prefix_cache()
+            t0 = time.perf_counter()
+            llm.generate(prompts, params.clone(max_tokens=1), use_tqdm=False)
+            prefill = time.perf_counter() - t0
+        timings.append(RunTiming(total, prefill))
+    return timings, source
+
+
+def roofline_fields(cost: ModelCost, roof: Ceilings, batch: int, context: int, prompt_tokens: int,
+                    prefill_s: float, decode_step_s: float) -> dict[str, Any]:
+    nbytes = cost.decode_bytes(batch, context)
+    out: dict[str, Any] = {
+        "params": cost.params, "matmul_params": cost.matmul_params, "weight_bytes": cost.weight_bytes,
+        "decode_weight_bytes": cost.decode_weight_bytes(batch),
+        "kv_bytes_per_step": batch * context * cost.kv_bytes_per_token, "bytes_per_step": nbytes,
+        "avg_context": context, "achieved_GBps": sig(nbytes / decode_step_s / 1e9),
+        "achieved_prefill_gflops": sig(2 * cost.matmul_params * prompt_tokens / prefill_s / 1e9),
+        "mem_read_GBps": roof.bandwidth_gbps, "matmul_gflops": roof.gflops,
+        "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
+        "decode_floor_ms": None, "decode_memory_floor_ms": None, "decode_compute_floor_ms": None,
+        "mbu": None, "prefill_mfu": None,
+    }
+    if roof.bandwidth_gbps:
+        out["mbu"] = sig(nbytes / decode_step_s / (roof.bandwidth_gbps * 1e9))
+        out["decode_memory_floor_ms"] = sig(nbytes / (roof.bandwidth_gbps * 1e9) * 1e3)
+    if roof.gflops:
+        out["prefill_mfu"] = sig(2 * cost.matmul_params * prompt_tokens / prefill_s / (roof.gflops * 1e9))
+    if roof.bandwidth_gbps and roof.gflops:
+        floor = decode_floor(cost, batch, context, roof.bandwidth_gbps, roof.gflops)
+        out["decode_compute_floor_ms"] = sig(floor.compute_s * 1e3)
+        out["decode_floor_ms"] = sig(floor.floor_s * 1e3)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    _check(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, skip_tokenizer_init=True,
+              **{k: v for k, v in vars(engine_args).items() if k != "model"})
+    load_s = time.perf_counter() - t0
+    config = llm.engine.config
+    arch, b = config.model.arch, args.batch_size
+    reqs = random_workload(b, str(args.input_len), str(args.output_len), args.vocab_low, arch.vocab_size,
+                           args.workload_seed)
+    prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for _ in range(args.warmup):
+        llm.engine.reset_prefix_cache()
+        llm.generate(prompts, params.clone(max_tokens=min(16, args.output_len)), use_tqdm=False)
+    timings, prefill_source = timed_runs(llm, prompts, params, args.runs)
+
+    steps = args.output_len - 1
+    prefill_s = statistics.median(t.prefill_s for t in timings)
+    decode_s = statistics.median(t.total_s - t.prefill_s for t in timings)
+    total_s = statistics.median(t.total_s for t in timings)
+    step_s = decode_s / steps
+    threads = torch.get_num_threads()
+    device = config.device.device
+    roof = ceilings(config.model.dtype, args.bandwidth, args.flops, threads if device == "cpu" else 1,
+                    measure_missing=args.roofline, device=device)
+    context = args.input_len + args.output_len // 2
+    cost = ModelCost(arch, config.model.dtype)
+    emit({
+        "engine": "tokenmill", "bench": "latency", "model": args.model, "threads": threads,
+        "dtype": config.model.dtype, "device": device, "attention_backend": config.attention_backend,
+        "batch_size": b, "prompt_len": args.input_len, "gen": args.output_len, "runs": args.runs,
+        "warmup": args.warmup, "prefill_s": round(prefill_s, 5),
+        "prefill_tok_s": sig(b * args.input_len / prefill_s), "prefill_from": prefill_source,
+        "decode_s": round(decode_s, 5), "decode_ms_per_tok": sig(step_s * 1e3),
+        "decode_tok_s": sig(b / step_s), "total_s": round(total_s, 5),
+        "prefill_s_runs": [round(t.prefill_s, 5) for t in timings],
+        "decode_s_runs": [round(t.total_s - t.prefill_s, 5) for t in timings],
+        "total_s_runs": [round(t.total_s, 5) for t in timings],
+        **roofline_fields(cost, roof, b, context, b * args.input_len, prefill_s, step_s),
+        "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),
+        "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+    }, args.output_json)
+    return 0

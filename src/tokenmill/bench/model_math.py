@@ -1,0 +1,147 @@
+"""Bytes and FLOPs of a decoder checkpoint, from its config.json shapes alone (no weights read).
+
+Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
+- params: every weight once; tied embeddings count once.
+- matmul_params: the weights a token's forward multiplies by (everything but the embedding table,
+  which is a row lookup; with tied embeddings the table is the lm_head, so it counts).
+  FLOPs per token = 2 * matmul_params + attention (QK^T and PV: 4 * layers * heads * head_dim per
+  position attended).
+- decode_weight_bytes: the weights one decode step must stream: matmul_params plus one embedding row
+  per sequence (untied) - the lm_head is read in full, the embedding table only where used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tokenmill.models.arch import ArchConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} unknown; choose from {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    arch: ArchConfig
+    dtype: str
+
+    @property
+    def elem_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.arch.vocab_size * self.arch.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return 0 if self.arch.tie_word_embeddings else self.embedding_params
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        a = self.arch
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        weights = a.hidden_size * (q + 2 * kv) + q * a.hidden_size
+        bias = q + 2 * kv if a.attention_bias else 0
+        qk_norm = 2 * a.head_dim if a.qk_norm else 0
+        return weights + bias + qk_norm
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        return 3 * self.arch.hidden_size * self.arch.intermediate_size  # gate, up, down
+
+    @property
+    def layer_params(self) -> int:
+        norms = 2 * self.arch.hidden_size
+        return self.attention_params_per_layer + self.mlp_params_per_layer + norms
+
+    @property
+    def params(self) -> int:
+        a = self.arch
+        return self.embedding_params + a.num_layers * self.layer_params + a.hidden_size + self.lm_head_params
+
+    @property
+    def matmul_params(self) -> int:
+        return self.params - (0 if self.arch.tie_word_embeddings else self.embedding_params)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.elem_bytes
+
+    def decode_weight_bytes(self, batch: int = 1) -> int:
+        rows = 0 if self.arch.tie_word_embeddings else batch * self.arch.hidden_size
+        return (self.matmul_params + rows) * self.elem_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.arch.kv_bytes_per_token * self.elem_bytes
+
+    @property
+    def attn_flops_per_position(self) -> int:
+        """FLOPs one query token spends per position it attends to (QK^T plus PV, all layers)."""
+        a = self.arch
+        return 4 * a.num_layers * a.num_heads * a.head_dim
+
+    def decode_bytes(self, batch: int, context: int) -> int:
+        """Bytes one decode step of `batch` sequences reads, each holding `context` tokens of KV."""
+        return self.decode_weight_bytes(batch) + batch * context * self.kv_bytes_per_token
+
+    def decode_flops(self, batch: int, context: int) -> int:
+        return batch * (2 * self.matmul_params + self.attn_flops_per_position * context)
+
+    def prefill_flops_per_token(self, prompt_len: int) -> float:
+        """Average FLOPs per prompt token of a causal prefill of `prompt_len` tokens."""
+        return 2 * self.matmul_params + self.attn_flops_per_position * (prompt_len + 1) / 2
+
+    def crossover_batch(self, context: int, bandwidth_gbps: float, gflops: float) -> float | None:
+        """The batch size where a decode step turns compute-bound, or None if it never does
+        (KV traffic then grows as fast as compute)."""
+        per_seq_flops = 2 * self.matmul_params + self.attn_flops_per_position * context
+        per_seq_bytes = context * self.kv_bytes_per_token + (
+            0 if self.arch.tie_word_embeddings else self.arch.hidden_size * self.elem_bytes)
+        ratio = bandwidth_gbps / gflops  # bytes moved per flop at the balance point
+        denom = per_seq_flops * ratio - per_seq_bytes
+        if denom <= 0:
+            return None
+        return self.matmul_params * self.elem_bytes / denom
+
+
+@dataclass(frozen=True)
+class DecodeFloor:
+    batch: int
+    bytes: int
+    flops: int
+    memory_s: float
+    compute_s: float
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s > self.memory_s else "memory"
+
+    @property
+    def tok_s(self) -> float:
+        return self.batch / self.floor_s if self.floor_s > 0 else math.inf
+
+
+def decode_floor(cost: ModelCost, batch: int, context: int, bandwidth_gbps: float, gflops: float) -> DecodeFloor:
+    nbytes, flops = cost.decode_bytes(batch, context), cost.decode_flops(batch, context)
+    return DecodeFloor(batch, nbytes, flops, nbytes / (bandwidth_gbps * 1e9), flops / (gflops * 1e9))
+
+
+def kv_capacity(kv_budget_bytes: int, cost: ModelCost, block_size: int) -> int:
+    """Tokens of KV that fit in a budget, counted in whole blocks as the engine allocates them."""
+    return max(0, kv_budget_bytes // (cost.kv_bytes_per_token * block_size)) * block_size
+
+
+def max_requests(capacity_tokens: int, context: int, block_size: int) -> int:
+    return (capacity_tokens // block_size) // math.ceil(context / block_size)

@@ -1,0 +1,168 @@
+"""`tokenmill plan MODEL`: the serving arithmetic of a checkpoint from its config.json: parameters and
+weight bytes, KV bytes per token, how many tokens and requests fit in a memory budget, and the decode
+floor per step by batch size (bytes / bandwidth vs FLOPs / matmul rate, whichever is larger)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tokenmill.bench.model_math import ModelCost, decode_floor, dtype_bytes, kv_capacity, max_requests
+from tokenmill.bench.roofline import Ceilings, ceilings
+from tokenmill.config import parse_memory
+from tokenmill.models.arch import ArchConfig, load_arch_config
+
+DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("plan", help="memory, KV capacity and decode/prefill floors of a checkpoint")
+    p.add_argument("model", help="a Hugging Face checkpoint directory (only config.json is read)")
+    p.add_argument("--memory", default="4GiB", help="memory for weights + KV cache, e.g. 4GiB")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget alone (overrides --memory)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="weights and KV dtype (default: the checkpoint's, else bfloat16)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length a request may reach")
+    p.add_argument("--context", type=int, default=None,
+                   help="average context per sequence in the decode table (default: max-model-len / 2)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt length for prefill FLOPs (default 512)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--batch-sizes", default=DEFAULT_BATCHES)
+    p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth, GB/s")
+    p.add_argument("--flops", type=float, default=None, help="matmul rate, GFLOP/s")
+    p.add_argument("--threads", type=int, default=None, help="which cached roofline measurement to use")
+    p.add_argument("--measure", action="store_true", help="measure the roofline if it is not cached")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=run)
+
+
+def resolve_dtype(arch: ArchConfig, dtype: str | None) -> str:
+    return dtype or (arch.dtype if arch.dtype in ("bfloat16", "float16", "float32") else "bfloat16")
+
+
+def _size(value: str, flag: str) -> int:
+    try:
+        size = parse_memory(value)
+    except ValueError:
+        size = -1
+    if isinstance(size, float) or size <= 0:
+        raise ValueError(f"{flag} {value!r} is not a size like '4GiB' or '512MB'")
+    return size
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
+    arch = load_arch_config(args.model)
+    dtype = resolve_dtype(arch, args.dtype)
+    cost = ModelCost(arch, dtype)
+    for flag in ("max_model_len", "context", "prompt_len", "block_size"):
+        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    max_len = args.max_model_len or arch.max_position_embeddings
+    context = args.context or max(1, max_len // 2)
+    prompt_len = args.prompt_len or min(512, max_len)
+    if args.kv_cache_memory is not None:
+        memory, kv_budget = None, _size(args.kv_cache_memory, "--kv-cache-memory")
+    else:
+        memory = _size(args.memory, "--memory")
+        kv_budget = max(0, memory - cost.weight_bytes)
+    capacity = kv_capacity(kv_budget, cost, args.block_size)
+    try:
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r} is not a comma-separated list of integers") from None
+    plan: dict[str, Any] = {
+        "model": args.model, "architecture": arch.architecture, "dtype": dtype, "dtype_bytes": dtype_bytes(dtype),
+        "params": cost.params, "embedding_params": cost.embedding_params, "lm_head_params": cost.lm_head_params,
+        "tie_word_embeddings": arch.tie_word_embeddings, "matmul_params": cost.matmul_params,
+        "weight_bytes": cost.weight_bytes, "decode_weight_bytes": cost.decode_weight_bytes(1),
+        "kv_bytes_per_token": cost.kv_bytes_per_token, "layers": arch.num_layers, "heads": arch.num_heads,
+        "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "max_model_len": max_len,
+        "memory_bytes": memory, "kv_cache_bytes": kv_budget, "block_size": args.block_size,
+        "max_kv_tokens": capacity, "max_requests_at_max_model_len": max_requests(capacity, max_len, args.block_size),
+        "context": context, "max_requests_at_context": max_requests(capacity, context, args.block_size),
+        "prompt_len": prompt_len, "prefill_flops_per_token": round(cost.prefill_flops_per_token(prompt_len)),
+        "attn_flops_per_position": cost.attn_flops_per_position,
+        "mem_read_GBps": roof.bandwidth_gbps, "matmul_gflops": roof.gflops,
+        "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
+    }
+    rows: list[dict[str, Any]] = []
+    for b in batches:
+        _positive(b, "--batch-sizes")
+        row: dict[str, Any] = {"batch": b, "bytes": cost.decode_bytes(b, context),
+                               "flops": cost.decode_flops(b, context), "fits": b * context <= capacity}
+        if roof.bandwidth_gbps and roof.gflops:
+            f = decode_floor(cost, b, context, roof.bandwidth_gbps, roof.gflops)
+            row.update({"memory_ms": f.memory_s * 1e3, "compute_ms": f.compute_s * 1e3, "floor_ms": f.floor_s * 1e3,
+                        "tok_s": f.tok_s, "bound": f.bound})
+        rows.append(row)
+    plan["decode"] = rows
+    if roof.bandwidth_gbps and roof.gflops:
+        crossover = cost.crossover_batch(context, roof.bandwidth_gbps, roof.gflops)
+        plan["compute_bound_batch"] = None if crossover is None else round(crossover, 1)
+        plan["prefill_tok_s_ceiling"] = roof.gflops * 1e9 / cost.prefill_flops_per_token(prompt_len)
+    return plan
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def render(plan: dict[str, Any]) -> str:
+    p = plan
+    tied = "tied: counted once" if p["tie_word_embeddings"] else f"lm_head {_count(p['lm_head_params'])}, untied"
+    lines = [
+        f"model        {p['model']}  ({p['architecture']}, {p['dtype']})",
+        f"parameters   {_count(p['params'])}  (embedding {_count(p['embedding_params'])}, {tied}); "
+        f"weights {p['weight_bytes'] / 1e6:.1f} MB",
+        f"per decode   {p['decode_weight_bytes'] / 1e6:.1f} MB of weights read per step "
+        "(embedding table: used rows only)",
+        f"KV cache     {p['kv_bytes_per_token']} B/token  (2 x {p['layers']} layers x {p['kv_heads']} kv heads x "
+        f"{p['head_dim']} x {p['dtype_bytes']} B)",
+        f"memory       {_gib(p['memory_bytes'])} total -> KV {_gib(p['kv_cache_bytes'])}: "
+        f"{p['max_kv_tokens']:,} tokens; "
+        f"{p['max_requests_at_max_model_len']} requests at {p['max_model_len']} tokens, "
+        f"{p['max_requests_at_context']} at {p['context']}",
+        f"prefill      {p['prefill_flops_per_token'] / 1e9:.3f} GFLOP/token at a {p['prompt_len']}-token prompt "
+        f"(2 x {_count(p['matmul_params'])} matmul params + {p['attn_flops_per_position']} x position)",
+    ]
+    if p["mem_read_GBps"] and p["matmul_gflops"]:
+        lines.append(f"roofline     {p['mem_read_GBps']:.1f} GB/s ({p['bandwidth_source']}), "
+                     f"{p['matmul_gflops']:.1f} GFLOP/s ({p['flops_source']})")
+        cb = p["compute_bound_batch"]
+        lines.append(f"             prefill ceiling {p['prefill_tok_s_ceiling']:,.0f} tok/s; "
+                     "decode turns compute-bound "
+                     + ("never (KV traffic grows as fast)" if cb is None else f"at batch ~{cb}"))
+    else:
+        lines.append("roofline     unknown: pass --bandwidth and --flops, or --measure "
+                     "(or run `tokenmill bench roofline`)")
+    lines.append(f"\ndecode floor per step, average context {p['context']} tokens:")
+    head = f"{'batch':>6} {'MB/step':>9} {'GFLOP':>8} {'mem ms':>8} {'comp ms':>8} {'floor ms':>9} {'tok/s':>9}  bound"
+    lines.append(head)
+    for r in p["decode"]:
+        cells = f"{r['batch']:>6} {r['bytes'] / 1e6:>9.1f} {r['flops'] / 1e9:>8.2f}"
+        if "floor_ms" in r:
+            cells += (f" {r['memory_ms']:>8.2f} {r['compute_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['tok_s']:>9.0f}"
+                      f"  {r['bound']}")
+        lines.append(cells + ("" if r["fits"] else "  (KV does not fit)"))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    dtype = resolve_dtype(load_arch_config(args.model), args.dtype)
+    roof = ceilings(dtype, args.bandwidth, args.flops, args.threads, measure_missing=args.measure)
+    plan = build_plan(args, roof)
+    sys.stdout.write((json.dumps(plan) if args.json else render(plan)) + "\n")
+    return 0
