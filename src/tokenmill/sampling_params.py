@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _GREEDY_EPS = 1e-5
 
@@ -38,11 +42,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        self.stop = _coerce("stop", self.stop, lambda v: [v] if isinstance(v, str) else list(v or []))
+        self.stop_token_ids = _coerce("stop_token_ids", self.stop_token_ids, lambda v: [int(t) for t in v or []])
+        self.logit_bias = _coerce("logit_bias", self.logit_bias,
+                                  lambda v: {int(k): float(x) for k, x in (v or {}).items()})
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -98,6 +101,14 @@ class SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _coerce(name: str, value: Any, convert: Callable[[Any], T]) -> T:
+    """Normalise a field; a value of the wrong type is a ValueError naming the field."""
+    try:
+        return convert(value)
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError(f"{name} has the wrong type: {value!r}") from None
 
 
 def _is_int(x: object) -> bool:

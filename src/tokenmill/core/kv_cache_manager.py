@@ -42,9 +42,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """Count a lookup once, when its request is admitted, not on every retry while it waits."""
+        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_hit_blocks * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
@@ -91,11 +95,10 @@ class KVCacheManager:
         parent = self.req_blocks[parent_id]
         n_full = num_tokens // self.block_size
         shared = parent[:n_full]
+        # allocate before sharing: if the pool is short, raise with no reference taken
+        partial = self.pool.allocate(1) if num_tokens % self.block_size else []
         self.pool.take(shared)
-        child = list(shared)
-        if num_tokens % self.block_size:
-            child.extend(self.pool.allocate(1))
-        self.req_blocks[child_id] = child
+        child = self.req_blocks[child_id] = shared + partial
         self._num_cached[child_id] = 0
         return [b.block_id for b in child]
 

@@ -102,6 +102,7 @@ class Scheduler:
             if block_ids is None:
                 break
             self.waiting.pop(0)
+            self.kv.record_prefix_lookup(req, len(computed))
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
             req.num_computed_tokens = num_computed

@@ -48,10 +48,12 @@ class LLMEngine:
         processed = self.input_processor.tokenize(prompt)
         now = time.time()
         children = child_requests(request_id, params)
+        # validate all before registering any: a rejected request must leave nothing behind
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
                                           [cid for cid, _ in children], now)
-        for cid, cparams in children:
-            self.core.add_request(self.input_processor.make_request(cid, processed, cparams, priority, now))
+        for req in requests:
+            self.core.add_request(req)
         return request_id
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:

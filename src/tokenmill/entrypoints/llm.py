@@ -35,6 +35,8 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priority values for {len(prompt_list)} prompts")
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=False)):
@@ -92,6 +94,8 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them")
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return list(params)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import struct
 from typing import Any
@@ -59,11 +60,18 @@ def read_header(f: Any, path: str) -> tuple[dict[str, Any], int]:
         header = json.loads(f.read(n))
     except ValueError:
         raise ValueError(f"{path} is corrupt: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is corrupt: its header is not a JSON object")
     header.pop("__metadata__", None)
     data_start = 8 + n
     for name, info in header.items():
-        begin, end = info["data_offsets"]
-        if info["dtype"] not in _ST_DTYPES or not 0 <= begin <= end or data_start + end > size:
+        try:
+            begin, end = info["data_offsets"]
+            ok = (info["dtype"] in _ST_DTYPES and 0 <= begin <= end and data_start + end <= size
+                  and end - begin == math.prod(info["shape"]) * _ST_DTYPES[info["dtype"]].itemsize)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
             raise ValueError(f"{path} is corrupt or truncated at tensor {name!r}")
     return header, data_start
 
