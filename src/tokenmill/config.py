@@ -51,6 +51,7 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str  # cpu | cuda
     num_threads: int | None
+    cpu_kernels: bool  # tokenmill's C++ kernels (decode attention, fused bf16 ops) on CPU
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     attention_backend: str = "auto"
+    cpu_kernels: bool = True
 
     def create_engine_config(self) -> EngineConfig:
         arch = load_arch_config(self.model)
@@ -105,7 +107,7 @@ class EngineArgs:
             pass  # chunked prefill makes any positive budget work
         backend = self.attention_backend
         if backend == "auto":
-            backend = "cuda" if device == "cuda" else "cpu"
+            backend = "cuda" if device == "cuda" else ("cpu" if self.cpu_kernels else "sdpa")
         from tokenmill.attention import available_backends
 
         if backend not in available_backends():
@@ -131,7 +133,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_model_len,
             ),
-            device=DeviceConfig(device=device, num_threads=self.num_threads),
+            device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels),
             attention_backend=backend,
         )
 

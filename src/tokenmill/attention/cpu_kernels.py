@@ -1,4 +1,5 @@
-"""Builds (once, cached by torch's extension builder) and loads tokenmill's C++ CPU kernels.
+"""Builds (once, cached by torch's extension builder) and loads tokenmill's C++ CPU kernels:
+paged decode attention and the fused bf16 elementwise ops.
 Returns None where they cannot be built, so callers fall back to their torch path."""
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"]
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_decode.cpp", "fused_ops.cpp")]
+# no -ffast-math: the fused ops must round like the torch reference
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -20,7 +23,7 @@ def load_cpu_kernels() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="tokenmill_cpu_kernels", sources=[_SRC], is_python_module=False, verbose=False,
+        load(name="tokenmill_cpu_kernels", sources=_SOURCES, is_python_module=False, verbose=False,
              extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
         return torch.ops.tokenmill_cpu
     except Exception as e:  # a missing compiler or ninja: the torch path still works

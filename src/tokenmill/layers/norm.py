@@ -1,6 +1,11 @@
-"""RMSNorm computed in float32, as the HF reference does."""
+"""RMSNorm computed in float32, as the HF reference does; optionally fused with the residual add.
+
+With `ops` set (tokenmill's C++ CPU kernels) bf16 rows take one fused pass; everything else runs
+the reference torch code, which the fused op is tested against."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,8 +16,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if self.ops is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps, None)
+            return self.ops.rms_norm(x, self.weight, self.eps, residual), residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

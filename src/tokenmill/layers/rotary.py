@@ -4,6 +4,7 @@ default, linear and llama3 frequency schedules. cos/sin are precomputed per posi
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * rope.partial_rotary_factor)
+        self.ops: Any = None  # tokenmill's C++ CPU kernels, when the runner enables them
         inv_freq = inv_frequencies(self.rot_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -41,7 +43,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated (in place on the fused path)."""
+        if self.ops is not None and q.dtype == torch.bfloat16 and self.rot_dim == q.shape[-1]:
+            self.ops.rotary_(q, positions, self.cos_cache, self.sin_cache)
+            self.ops.rotary_(k, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -5,6 +5,8 @@ q/k/v and gate/up projections are fused at load time (one matmul each)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,8 +53,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.ops: Any = None  # tokenmill's C++ CPU kernels, when the runner enables them
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.dtype == torch.bfloat16:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -64,10 +71,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """h is the previous sublayer's output, not yet added to the residual stream."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -85,9 +99,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, positions, self.rotary, kv_cache, meta, backend)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, backend)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def enable_fused_ops(self, ops: Any) -> None:
+        """Route bf16 norms, rotary and SiLU-and-mul through fused C++ kernels."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

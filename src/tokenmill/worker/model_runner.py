@@ -3,20 +3,33 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+from typing import Any, cast
 
+import numpy as np
 import torch
 
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.config import EngineConfig, default_num_threads
-from tokenmill.layers.linear import pack_linears
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.layers.linear import pack_linears
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
 from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplingRow, topn_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On CPU it comes from calloc, so a large pool is zero pages the OS faults
+    in as blocks are first written: start-up neither touches nor commits the whole budget.
+    (Zeros matter: padded attention reads of never-written slots must not meet NaN garbage.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -28,18 +41,18 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
-        self.model: Any = load_model(config.model.model, self.arch, self.dtype, self.device)
+        self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             pack_linears(self.model)
+            ops = load_cpu_kernels() if config.device.cpu_kernels else None
+            if ops is not None:
+                self.model.enable_fused_ops(ops)
         self.backend = get_backend(config.attention_backend)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
         shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
                  self.arch.head_dim)
-        # On CPU a pool this large is a fresh anonymous mapping: zero pages, faulted in lazily as
-        # blocks are first written, so start-up does not touch (or commit) the whole budget.
-        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
-        self.kv_cache = alloc(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()

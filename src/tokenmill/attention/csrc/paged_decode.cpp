@@ -178,7 +178,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-TORCH_LIBRARY(tokenmill_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window) -> Tensor");
 }

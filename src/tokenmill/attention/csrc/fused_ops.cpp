@@ -1,0 +1,114 @@
+// Fused elementwise ops for bfloat16 on CPUs, each one pass over memory instead of the several
+// kernels (and float32 temporaries) the torch reference path launches. Rounding follows the
+// reference: float32 arithmetic, rounded to bfloat16 where the reference stores a bfloat16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float f32(bf16 x) { return static_cast<float>(x); }
+inline float round_bf16(float x) { return static_cast<float>(static_cast<bf16>(x)); }
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, what, ": needs bfloat16");
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2, what, ": needs a contiguous 2-D tensor");
+}
+
+// out = weight * bf16(x / rms(x)); with residual: residual = bf16(x + residual) first, in place,
+// and the norm is taken of the new residual. Returns out.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& residual) {
+  check_rows(x, "rms_norm");
+  const int64_t rows = x.size(0), h = x.size(1);
+  auto out = at::empty_like(x);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = weight.data_ptr<bf16>();
+  bf16* rp = residual.has_value() ? residual->data_ptr<bf16>() : nullptr;
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* src = xp + r * h;
+      if (rp != nullptr) {
+        bf16* res = rp + r * h;
+        for (int64_t i = 0; i < h; ++i) res[i] = static_cast<bf16>(f32(src[i]) + f32(res[i]));
+        src = res;
+      }
+      float ss = 0.f;
+      for (int64_t i = 0; i < h; ++i) ss += f32(src[i]) * f32(src[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; ++i) op[r * h + i] = static_cast<bf16>(f32(wp[i]) * round_bf16(f32(src[i]) * inv));
+    }
+  });
+  return out;
+}
+
+// [T, 2I] -> [T, I]: bf16(silu(gate)) * up
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = at::empty({rows, inter}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* g = xp + r * 2 * inter;
+      const bf16* u = g + inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = f32(g[i]);
+        op[r * inter + i] = static_cast<bf16>(round_bf16(gv / (1.f + std::exp(-gv))) * f32(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// In place on x [T, H, D] (any row stride): x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)),
+// cos/sin [P, D] indexed by positions [T].
+void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1, "rotary: bad x");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(), "rotary: cos/sin");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  bf16* xp = x.data_ptr<bf16>();
+  const bf16* cp = cos.data_ptr<bf16>();
+  const bf16* sp = sin.data_ptr<bf16>();
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const bf16* c = cp + pp[i] * d;
+      const bf16* s = sp + pp[i] * d;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        bf16* v = xp + i * st + hh * sh;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = f32(v[j]), b = f32(v[j + half]);
+          const float lo = round_bf16(a * f32(c[j])) + round_bf16(-b * f32(s[j]));
+          const float hi = round_bf16(b * f32(c[j + half])) + round_bf16(a * f32(s[j + half]));
+          v[j] = static_cast<bf16>(lo);
+          v[j + half] = static_cast<bf16>(hi);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_", &rotary_);
+}
