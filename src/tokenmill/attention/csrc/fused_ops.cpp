@@ -49,20 +49,57 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
   return out;
 }
 
+// exp(x) to ~2 ulp over the float range, in a form loops vectorize (libm's expf does not):
+// x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n from exponent bits.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float bf16_bits_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// round-to-nearest-even float -> bf16 bits (inputs here are finite)
+inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 // [T, 2I] -> [T, I]: bf16(silu(gate)) * up
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   auto out = at::empty({rows, inter}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const bf16* g = xp + r * 2 * inter;
-      const bf16* u = g + inter;
+      const uint16_t* g = xp + r * 2 * inter;
+      const uint16_t* u = g + inter;
+      uint16_t* o = op + r * inter;
+#pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
-        const float gv = f32(g[i]);
-        op[r * inter + i] = static_cast<bf16>(round_bf16(gv / (1.f + std::exp(-gv))) * f32(u[i]));
+        const float gv = bf16_bits_to_f32(g[i]);
+        const float silu = bf16_bits_to_f32(f32_to_bf16_bits(gv / (1.f + exp_approx(-gv))));
+        o[i] = f32_to_bf16_bits(silu * bf16_bits_to_f32(u[i]));
       }
     }
   });
@@ -78,21 +115,23 @@ void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, 
   const int64_t st = x.stride(0), sh = x.stride(1);
   auto pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
-  bf16* xp = x.data_ptr<bf16>();
-  const bf16* cp = cos.data_ptr<bf16>();
-  const bf16* sp = sin.data_ptr<bf16>();
+  uint16_t* xp = reinterpret_cast<uint16_t*>(x.data_ptr<bf16>());
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<bf16>());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<bf16>());
+  auto r16 = [](float f) { return bf16_bits_to_f32(f32_to_bf16_bits(f)); };
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const bf16* c = cp + pp[i] * d;
-      const bf16* s = sp + pp[i] * d;
+      const uint16_t* c = cp + pp[i] * d;
+      const uint16_t* s = sp + pp[i] * d;
       for (int64_t hh = 0; hh < heads; ++hh) {
-        bf16* v = xp + i * st + hh * sh;
+        uint16_t* v = xp + i * st + hh * sh;
+#pragma omp simd
         for (int64_t j = 0; j < half; ++j) {
-          const float a = f32(v[j]), b = f32(v[j + half]);
-          const float lo = round_bf16(a * f32(c[j])) + round_bf16(-b * f32(s[j]));
-          const float hi = round_bf16(b * f32(c[j + half])) + round_bf16(a * f32(s[j + half]));
-          v[j] = static_cast<bf16>(lo);
-          v[j + half] = static_cast<bf16>(hi);
+          const float a = bf16_bits_to_f32(v[j]), b = bf16_bits_to_f32(v[j + half]);
+          const float lo = r16(a * bf16_bits_to_f32(c[j])) + r16(-b * bf16_bits_to_f32(s[j]));
+          const float hi = r16(b * bf16_bits_to_f32(c[j + half])) + r16(a * bf16_bits_to_f32(s[j + half]));
+          v[j] = f32_to_bf16_bits(lo);
+          v[j + half] = f32_to_bf16_bits(hi);
         }
       }
     }
