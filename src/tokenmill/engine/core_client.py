@@ -1,0 +1,170 @@
+"""The API process's side of the engine core: spawns the core process (core_proc), owns the
+two ZMQ sockets, and notices the core's death through its process sentinel."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineArgs
+from tokenmill.core.messages import EngineCoreRequest
+from tokenmill.engine.core_proc import (
+    ABORT,
+    ADD,
+    FAILED,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    UTILITY,
+    UTILITY_RESULT,
+    AbortRequests,
+    CoreReady,
+    CoreStep,
+    EngineDeadError,
+    UtilityCall,
+    decode,
+    encode,
+    run_engine_core,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class CoreClient:
+    """Owns the core process and both sockets. Use from one asyncio event loop."""
+
+    def __init__(self, args: EngineArgs, log_level: str = "WARNING") -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
+        input_addr = f"ipc://{os.path.join(self.tmpdir, 'input')}"
+        output_addr = f"ipc://{os.path.join(self.tmpdir, 'output')}"
+        # sends never wait (no high-water mark), so the input side is a plain socket; only receiving
+        # is awaited
+        self.sync_ctx = zmq.Context()
+        self.input = self.sync_ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(input_addr)
+        self.ctx = zmq.asyncio.Context()
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(output_addr)
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(target=run_engine_core, args=(args, input_addr, output_addr, log_level),
+                               name="tokenmill-core", daemon=True)
+        self.proc.start()
+        self.ready = False
+        self.dead: EngineDeadError | None = None
+        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    async def wait_ready(self) -> CoreReady:
+        """Waits for the core to load; a failure or a death during startup raises ValueError."""
+        while True:
+            if await self.output.poll(200):
+                kind, msg = decode(await self.output.recv_multipart())
+                if kind == READY:
+                    self.ready = True
+                    asyncio.get_running_loop().add_reader(self.proc.sentinel, self._on_exit)
+                    return msg
+                if kind == FAILED:
+                    raise ValueError(f"the engine core failed to start: {msg.message}")
+            elif not self.proc.is_alive():
+                raise ValueError(f"the engine core process exited during startup (exit code "
+                                 f"{self.proc.exitcode}); see the log above")
+
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        self._death_callbacks.append(callback)
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        self.proc.join(1)
+        self._mark_dead(EngineDeadError(f"the engine core process died (exit code {self.proc.exitcode})"))
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        if self.dead is not None:
+            return
+        logger.error("%s", error)
+        self.dead = error
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        for cb in self._death_callbacks:
+            cb(error)
+
+    def _send(self, kind: bytes, msg: msgspec.Struct | list[EngineCoreRequest]) -> None:
+        if self.dead is not None:
+            raise self.dead
+        self.input.send_multipart([kind, encode(msg)])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """One message, so the n children of a request reach the same step."""
+        self._send(ADD, requests)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead is None:
+            self._send(ABORT, AbortRequests(request_ids))
+
+    async def call_utility(self, method: str) -> Any:
+        self._call_ids += 1
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[self._call_ids] = fut
+        self._send(UTILITY, UtilityCall(self._call_ids, method))
+        return await fut
+
+    async def get_output(self) -> CoreStep:
+        """The next batch of outputs; utility results are resolved on the way."""
+        while True:
+            if self.dead is not None:
+                raise self.dead
+            kind, msg = decode(await self.output.recv_multipart())
+            if kind == OUTPUTS:
+                return msg
+            if kind == UTILITY_RESULT:
+                fut = self._pending.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    if msg.error:
+                        fut.set_exception(RuntimeError(msg.error))
+                    else:
+                        fut.set_result(msg.result)
+            elif kind == FAILED:
+                self._mark_dead(EngineDeadError(f"the engine core failed: {msg.message}"))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the core (SHUTDOWN, then SIGTERM, then SIGKILL) and releases the sockets."""
+        self.dead = self.dead or EngineDeadError("the engine has shut down")
+        try:
+            if self.proc.is_alive() and self.ready:  # a core still loading cannot read; stop it at once
+                self.input.send_multipart([SHUTDOWN, b""])
+                self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(2)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(2)
+        finally:
+            try:
+                asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+            except (RuntimeError, ValueError, OSError):
+                pass
+            self.input.close(0)
+            self.output.close(0)
+            self.ctx.term()
+            self.sync_ctx.term()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)

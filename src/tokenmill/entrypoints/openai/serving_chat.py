@@ -1,0 +1,143 @@
+"""POST /v1/chat/completions: messages through the chat template, n choices, logprobs with
+top_logprobs, streaming deltas (role first, then content, one chunk with finish_reason)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.engine.async_engine import RequestStream
+from tokenmill.engine.input_processor import ProcessedPrompt
+from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, collect_final, merge_streams, sse_stream
+from tokenmill.outputs import CompletionOutput, PositionLogprobs
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                             req.chat_template_kwargs)
+        param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        max_tokens = self.max_tokens(len(prompt.prompt_token_ids), requested, param)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, logprobs, None, bool(req.stream))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = self.submit([prompt], [params], request_id, req.priority)
+        if req.stream:
+            return StreamingResponse(sse_stream(self._stream(request_id, req, prompt, streams)),
+                                     media_type="text/event-stream")
+        [final] = await self.guard(raw, collect_final(streams))
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in final.outputs]
+        response = ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+                                          usage=_usage(prompt, sum(len(c.token_ids) for c in final.outputs)))
+        return JSONResponse(response.model_dump())
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+        ids = self.template_ids(messages, add_generation_prompt, continue_final_message, kwargs)
+        return self.tokenize(ids, param="messages")
+
+    def template_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
+        conv: list[dict[str, Any]] = []
+        for m in messages:
+            entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                entry["name"] = m.name
+            conv.append(entry)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conv, chat_template=self.ctx.chat_template, tokenize=True, return_dict=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(kwargs or {}))
+        except Exception as e:  # jinja, transformers and bad kwargs raise many types
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        return [int(t) for t in ids]
+
+    async def _stream(self, request_id: str, req: ChatCompletionRequest, prompt: ProcessedPrompt,
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+        created, model = int(time.time()), self.ctx.model_name
+        opts = req.stream_options
+        continuous = bool(opts and opts.continuous_usage_stats)
+        finished: set[int] = set()
+        completion_tokens = 0
+        first = True
+
+        def chunk(choices: list[ChatStreamChoice]) -> str:
+            usage = _usage(prompt, completion_tokens) if continuous else None
+            return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                       usage=usage).model_dump_json()
+
+        async for _, out in merge_streams(streams, self.ctx.request_timeout):
+            if first:
+                first = False
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                             for i in range(req.n)])
+            choices = []
+            for c in out.outputs:
+                if c.index in finished:
+                    continue  # a finished choice of n>1 shows up again while its siblings run
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+                completion_tokens += len(c.token_ids)
+                if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                    continue
+                choices.append(ChatStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if choices:
+                yield chunk(choices)
+        if opts and opts.include_usage:
+            yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                      usage=_usage(prompt, completion_tokens)).model_dump_json()
+
+    def _logprobs(self, comp: CompletionOutput, top: int) -> ChatLogprobs:
+        content = []
+        for tid, entry in zip(comp.token_ids, comp.logprobs or []):
+            tops = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top]
+            token = self._token(tid, entry)
+            content.append(TokenLogprob(
+                token=token, logprob=entry[tid].logprob if tid in entry else float("-inf"),
+                bytes=list(token.encode()),
+                top_logprobs=[TopLogprob(token=(s := self._token(t, entry)), logprob=e.logprob,
+                                         bytes=list(s.encode())) for t, e in tops]))
+        return ChatLogprobs(content=content)
+
+    def _token(self, tid: int, entry: PositionLogprobs) -> str:
+        e = entry.get(tid)
+        if e is not None and e.decoded_token is not None:
+            return str(e.decoded_token)
+        return str(self.tokenizer.decode([tid]))
+
+
+def _usage(prompt: ProcessedPrompt, completion_tokens: int) -> UsageInfo:
+    n = len(prompt.prompt_token_ids)
+    return UsageInfo(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)

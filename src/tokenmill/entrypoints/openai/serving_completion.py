@@ -1,0 +1,161 @@
+"""POST /v1/completions: one or many prompts (text or token ids), n choices each, echo with
+prompt logprobs (lm-eval's loglikelihood scoring, max_tokens=0 included), streaming."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.engine.async_engine import RequestStream
+from tokenmill.engine.input_processor import ProcessedPrompt
+from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from tokenmill.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    collect_final,
+    merge_streams,
+    sse_stream,
+)
+from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        prompts = self._prompts(req)
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = [self.sampling_params(req, 1 if echo_only else self.max_tokens(len(p.prompt_token_ids),
+                                                                                 req.max_tokens),
+                                       req.logprobs, prompt_logprobs, bool(req.stream)) for p in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = self.submit(prompts, params, request_id, req.priority)
+        view = _ChoiceBuilder(self, req, prompts, echo_only)
+        if req.stream:
+            return StreamingResponse(sse_stream(self._stream(request_id, view, streams)),
+                                     media_type="text/event-stream")
+        finals = await self.guard(raw, collect_final(streams))
+        choices = [view.choice(i, comp, final) for i, final in enumerate(finals) for comp in final.outputs]
+        response = CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+                                      usage=view.usage())
+        return JSONResponse(response.model_dump())
+
+    def _prompts(self, req: CompletionRequest) -> list[ProcessedPrompt]:
+        raw = req.prompt
+        items: list[str | list[int]]
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            items = [raw]
+        else:
+            items = list(raw)  # type: ignore[arg-type]
+        if not items:
+            raise bad_request("the prompt is empty", "prompt")
+        return [self.tokenize(p, req.add_special_tokens) for p in items]
+
+    async def _stream(self, request_id: str, view: _ChoiceBuilder,
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+        created, model = int(time.time()), self.ctx.model_name
+        opts = view.req.stream_options
+        finished: set[int] = set()
+        async for i, out in merge_streams(streams, self.ctx.request_timeout):
+            choices = []
+            for comp in out.outputs:
+                index = i * view.req.n + comp.index
+                if index in finished:
+                    continue  # a finished choice of n>1 shows up again while its siblings run
+                if comp.finish_reason is not None:
+                    finished.add(index)
+                choice = view.choice(i, comp, out)
+                if choice.text or choice.finish_reason is not None or (choice.logprobs and choice.logprobs.tokens):
+                    choices.append(choice)
+            if choices:
+                usage = view.usage() if opts and opts.continuous_usage_stats else None
+                yield CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                         usage=usage).model_dump_json()
+        if opts and opts.include_usage:
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                     usage=view.usage()).model_dump_json()
+
+
+class _ChoiceBuilder:
+    """Turns (prompt index, CompletionOutput) into choices; for streams it is called with
+    deltas and keeps per-choice state (prompt echoed yet, logprob text offsets)."""
+
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest, prompts: list[ProcessedPrompt],
+                 echo_only: bool) -> None:
+        self.serving = serving
+        self.req = req
+        self.prompts = prompts
+        self.echo_only = echo_only
+        self.echoed: set[int] = set()
+        self.offsets: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def usage(self) -> UsageInfo:
+        prompt_tokens = sum(len(p.prompt_token_ids) for p in self.prompts)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt_tokens + self.completion_tokens)
+
+    def choice(self, i: int, comp: CompletionOutput, out: RequestOutput | None = None) -> CompletionChoice:
+        index = i * self.req.n + comp.index
+        text = ""
+        token_ids: list[int] = []
+        entries: list[PositionLogprobs | None] = []
+        # echo once the prompt logprobs are complete (a chunked prefill sends them in parts)
+        if self.req.echo and index not in self.echoed and (comp.token_ids or comp.finish_reason is not None):
+            self.echoed.add(index)
+            prompt = self.prompts[i]
+            text = prompt.prompt if prompt.prompt is not None else self._decode(prompt.prompt_token_ids)
+            token_ids = list(prompt.prompt_token_ids)
+            plp = out.prompt_logprobs if out is not None else None
+            entries = list(plp) if plp else [None] * len(token_ids)
+        if not self.echo_only:
+            text += comp.text
+            token_ids += comp.token_ids
+            entries += comp.logprobs or []
+            self.completion_tokens += len(comp.token_ids)
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = self._logprobs(index, token_ids, entries)
+        if self.echo_only:  # max_tokens=0: the one token generated is not part of the answer
+            return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                    finish_reason="length" if comp.finish_reason else None)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=comp.finish_reason,
+                                stop_reason=comp.stop_reason)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.serving.tokenizer.decode(ids))
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[PositionLogprobs | None]) -> CompletionLogProbs:
+        lp = CompletionLogProbs()
+        offset = self.offsets.get(index, 0)
+        for tid, entry in zip(token_ids, entries):
+            token = self._token(tid, entry)
+            lp.tokens.append(token)
+            lp.text_offset.append(offset)
+            offset += len(token)
+            if entry is None or tid not in entry:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                lp.token_logprobs.append(entry[tid].logprob)
+                lp.top_logprobs.append({self._token(t, entry): e.logprob for t, e in entry.items()})
+        self.offsets[index] = offset
+        return lp
+
+    def _token(self, tid: int, entry: PositionLogprobs | None) -> str:
+        if entry is not None and tid in entry and entry[tid].decoded_token is not None:
+            return str(entry[tid].decoded_token)
+        return self._decode([tid])

@@ -1,0 +1,129 @@
+"""Prometheus metrics of the serving engine (names follow vLLM's, with a `tokenmill:` prefix).
+
+Per-request timings are fed from the API process's view of the stream (RequestOutput deltas
+and the core's first-scheduled times); gauges and cumulative counters come from the
+SchedulerStats the core sends with every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.core.messages import SchedulerStats
+from tokenmill.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+@dataclass
+class _RequestTimes:
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    # per completion index: (first token time, last token time, number of tokens)
+    seqs: dict[int, list[float]] = field(default_factory=dict)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        reg, lab = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, lab, registry=reg, buckets=buckets)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between successive output tokens.",
+                        _LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per sequence.", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.",
+                          _REQUEST_BUCKETS)
+        self.running = Gauge("tokenmill:num_requests_running", "Sequences running in the engine.", lab,
+                             registry=reg)
+        self.waiting = Gauge("tokenmill:num_requests_waiting", "Sequences waiting to be scheduled.", lab,
+                             registry=reg)
+        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                              lab, registry=reg)
+        self.kv_free = Gauge("tokenmill:kv_cache_free_blocks", "Free KV-cache blocks (prefix-cached "
+                             "blocks not in use count as free).", lab, registry=reg)
+        self.kv_total = Gauge("tokenmill:kv_cache_total_blocks", "KV-cache blocks in the pool.", lab,
+                              registry=reg)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens prefilled.", lab, registry=reg)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Output tokens generated.", lab,
+                                         registry=reg)
+        self.prefix_queries = Counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache.", lab, registry=reg)
+        self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   lab, registry=reg)
+        self.preemptions = Counter("tokenmill:num_preemptions", "Sequences preempted.", lab, registry=reg)
+        self.finished = Counter("tokenmill:request_finished", "Requests finished, by outcome.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self._requests: dict[str, _RequestTimes] = {}
+        self._last_stats = SchedulerStats()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request_added(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
+        self._requests[request_id] = _RequestTimes(arrival, num_prompt_tokens)
+
+    def request_scheduled(self, request_id: str, when: float) -> None:
+        times = self._requests.get(request_id)
+        if times is not None and times.first_token is None:
+            self.queue.labels(self.model_name).observe(max(0.0, when - times.arrival))
+
+    def output(self, out: RequestOutput, now: float) -> None:
+        """One DELTA RequestOutput reached the API process."""
+        times = self._requests.get(out.request_id)
+        if times is None:
+            return
+        new_tokens = 0
+        for comp in out.outputs:
+            n = len(comp.token_ids)
+            if not n:
+                continue
+            new_tokens += n
+            seq = times.seqs.get(comp.index)
+            if seq is None:
+                times.seqs[comp.index] = [now, now, n]
+            else:
+                self.itl.labels(self.model_name).observe(now - seq[1])
+                seq[1], seq[2] = now, seq[2] + n
+        if new_tokens and times.first_token is None:
+            times.first_token = now
+            self.ttft.labels(self.model_name).observe(now - times.arrival)
+            self.prompt_tokens.labels(self.model_name).inc(times.num_prompt_tokens)
+        self.generation_tokens.labels(self.model_name).inc(new_tokens)
+        if out.finished:
+            reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+            self.request_finished(out.request_id, reasons[0] if reasons else "stop", now)
+
+    def request_finished(self, request_id: str, reason: str, now: float) -> None:
+        times = self._requests.pop(request_id, None)
+        if times is None:
+            return
+        self.finished.labels(self.model_name, reason).inc()
+        self.e2e.labels(self.model_name).observe(now - times.arrival)
+        for first, last, n in times.seqs.values():
+            if n > 1:
+                self.tpot.labels(self.model_name).observe((last - first) / (n - 1))
+
+    def scheduler_stats(self, stats: SchedulerStats) -> None:
+        m, last = self.model_name, self._last_stats
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.kv_free.labels(m).set(stats.num_free_blocks)
+        self.kv_total.labels(m).set(stats.num_total_blocks)
+        self.prefix_queries.labels(m).inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_hits.labels(m).inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.preemptions.labels(m).inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self._last_stats = stats
