@@ -24,7 +24,7 @@ def load_cpu_kernels() -> Any:
         from torch.utils.cpp_extension import load
 
         load(name="tokenmill_cpu_kernels", sources=_SOURCES, is_python_module=False, verbose=False,
-             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
+             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], extra_include_paths=[_CSRC])
         return torch.ops.tokenmill_cpu
     except Exception as e:  # a missing compiler or ninja: the torch path still works
         logger.warning("C++ CPU kernels unavailable (%s); using the torch attention path", e)

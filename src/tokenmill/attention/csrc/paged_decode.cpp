@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -38,25 +40,6 @@ inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst
 template <typename T>
 inline void store_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-// exp(x) for x <= 0 with ~2 ulp error, written so loops over it vectorize (libm's expf does not):
-// x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n by exponent bits.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.3888889e-3f;
-  p = p * r + 8.3333333e-3f;
-  p = p * r + 4.1666667e-2f;
-  p = p * r + 1.6666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 template <typename T>
@@ -123,7 +106,7 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < n; ++j) {
-            sh[j] = exp_nonpos(sh[j] - bmax);
+            sh[j] = tokenmill::exp_approx(sh[j] - bmax);
             sum += sh[j];
           }
           l[h] = l[h] * corr + sum;
