@@ -14,6 +14,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 namespace {
@@ -131,6 +135,96 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
   });
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define TOKENMILL_DPBF16 1
+// bf16 caches on CPUs with AVX512-BF16: q.k by vdpbf16ps straight from the cached bf16 (no
+// conversion of K), the score scaled afterwards; V rows widened once and accumulated for all
+// heads. Same traversal and online softmax as decode() above.
+template <int64_t DIM>
+void decode_dpbf16(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc, const int32_t* tables,
+                   const int32_t* lens, at::BFloat16* out, int64_t num_seqs, int64_t hq, int64_t hk, int64_t bs,
+                   int64_t max_blocks, float scale, int64_t window) {
+  static_assert(DIM % 32 == 0, "head size must be a multiple of 32");
+  constexpr int64_t NV = DIM / 32, NF = DIM / 16;
+  const int64_t group = hq / hk, row_len = hk * DIM;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> qv(hq * NV);
+    std::vector<float> acc(hq * DIM), s(hq * bs), m(hq), l(hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const auto* qb = reinterpret_cast<const __m512i*>(q + b * hq * DIM);
+      for (int64_t i = 0; i < hq * NV; ++i) qv[i] = _mm512_loadu_si512(qb + i);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t bi = start / bs; bi * bs < len; ++bi) {
+        const int64_t blk = tables[b * max_blocks + bi];
+        const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
+        const int64_t base = (blk * bs + (p0 - bi * bs)) * row_len;
+        if ((bi + 1) * bs < len) {
+          const int64_t next = tables[b * max_blocks + bi + 1] * bs * row_len;
+          prefetch(kc + next, bs * row_len);
+          prefetch(vc + next, bs * row_len);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const auto* krow = reinterpret_cast<const __m512i*>(kc + base + j * row_len);
+          for (int64_t kh = 0, h = 0; kh < hk; ++kh) {
+            __m512i kv[NV];
+            for (int64_t c = 0; c < NV; ++c) kv[c] = _mm512_loadu_si512(krow + kh * NV + c);
+            for (int64_t g = 0; g < group; ++g, ++h) {
+              __m512 a = _mm512_setzero_ps();
+              for (int64_t c = 0; c < NV; ++c)
+                a = _mm512_dpbf16_ps(a, (__m512bh)qv[h * NV + c], (__m512bh)kv[c]);
+              s[h * bs + j] = _mm512_reduce_add_ps(a) * scale;
+            }
+          }
+        }
+        for (int64_t h = 0; h < hq; ++h) {
+          float* sh = s.data() + h * bs;
+          float bmax = m[h];
+          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[j]);
+          const float corr = tokenmill::exp_approx(m[h] - bmax);
+          m[h] = bmax;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            sh[j] = tokenmill::exp_approx(sh[j] - bmax);
+            sum += sh[j];
+          }
+          l[h] = l[h] * corr + sum;
+          const __m512 cv = _mm512_set1_ps(corr);
+          for (int64_t f = 0; f < NF; ++f) {
+            float* a = acc.data() + h * DIM + f * 16;
+            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), cv));
+          }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const auto* vrow = reinterpret_cast<const __m256i*>(vc + base + j * row_len);
+          for (int64_t kh = 0, h0 = 0; kh < hk; ++kh, h0 += group) {
+            for (int64_t f = 0; f < NF; ++f) {
+              const __m512 v = _mm512_castsi512_ps(
+                  _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(vrow + kh * NF + f)), 16));
+              for (int64_t g = 0; g < group; ++g) {
+                float* a = acc.data() + (h0 + g) * DIM + f * 16;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(s[(h0 + g) * bs + j]), v, _mm512_loadu_ps(a)));
+              }
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        float* a = acc.data() + h * DIM;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        for (int64_t d = 0; d < DIM; ++d) a[d] *= inv;
+      }
+      store_row(acc.data(), out + b * hq * DIM, hq * DIM);
+    }
+  });
+}
+#endif
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         int64_t window) {
@@ -143,6 +237,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   auto out = at::empty_like(q);
   const int64_t hq = q.size(1), dim = q.size(2), bs = k_cache.size(1), hk = k_cache.size(2);
   TORCH_CHECK(hq % hk == 0 && k_cache.size(3) == dim, "head shapes do not match");
+#ifdef TOKENMILL_DPBF16
+  if (q.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128)) {
+    auto kernel = dim == 64 ? decode_dpbf16<64> : decode_dpbf16<128>;
+    kernel(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+           tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), q.size(0), hq, hk,
+           bs, tables.size(1), static_cast<float>(scale), window);
+    return out;
+  }
+#endif
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto kernel = dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
