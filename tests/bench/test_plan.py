@@ -37,7 +37,9 @@ def test_counts_by_hand() -> None:
     assert cost.decode_bytes(1, 32) == 169216 and cost.decode_flops(1, 32) == 177280
     f = decode_floor(cost, 1, 32, bandwidth_gbps=1.0, gflops=1.0)
     assert (f.memory_s, f.compute_s, f.bound) == (pytest.approx(169216e-9), pytest.approx(177280e-9), "compute")
-    assert cost.prefill_flops_per_token(3) == 2 * 80448 + 512 * 2  # positions 1, 2, 3 -> average 2
+    # positions 1, 2, 3 -> average 2; the lm_head runs once per prompt, not per token
+    body = 80448 - cost.lm_head_params
+    assert cost.prefill_flops_per_token(3) == 2 * body + 2 * cost.lm_head_params / 3 + 512 * 2
     # 64 KiB of KV in 16-token blocks of 4096 B: 16 blocks, 256 tokens, 4 requests of 64 tokens
     assert kv_capacity(65536, cost, 16) == 256 and max_requests(256, 64, 16) == 4 and max_requests(256, 65, 16) == 3
 

@@ -96,8 +96,11 @@ class ModelCost:
         return batch * (2 * self.matmul_params + self.attn_flops_per_position * context)
 
     def prefill_flops_per_token(self, prompt_len: int) -> float:
-        """Average FLOPs per prompt token of a causal prefill of `prompt_len` tokens."""
-        return 2 * self.matmul_params + self.attn_flops_per_position * (prompt_len + 1) / 2
+        """Average FLOPs per prompt token of a causal prefill of `prompt_len` tokens. The lm_head
+        runs once per prompt (only the last position is sampled), not once per token."""
+        body = self.matmul_params - self.lm_head_params
+        return (2 * body + 2 * self.lm_head_params / prompt_len
+                + self.attn_flops_per_position * (prompt_len + 1) / 2)
 
     def crossover_batch(self, context: int, bandwidth_gbps: float, gflops: float) -> float | None:
         """The batch size where a decode step turns compute-bound, or None if it never does
