@@ -19,6 +19,9 @@ from tokenmill.models.llama import LlamaForCausalLM
 cfg = load_arch_config(sys.argv[1])
 with torch.device("meta"):  # one-time imports (meta-tensor registrations), not checkpoint-sized
     LlamaForCausalLM(cfg, torch.bfloat16)
+warm = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16))  # one-time oneDNN set-up
+pack_linears(warm)
+warm(torch.ones(1, 64, dtype=torch.bfloat16))
 before = psutil.Process().memory_info().rss
 model = load_model(sys.argv[1], cfg, torch.bfloat16, torch.device("cpu"))
 pack_linears(model)
