@@ -16,6 +16,21 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+class Linear(nn.Linear):
+    """nn.Linear without random initialisation: every weight comes from the checkpoint, and init
+    on the meta device pulls in ~1.5 s of torch._dynamo imports at start-up."""
+
+    def reset_parameters(self) -> None:
+        return None
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without random initialisation (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        return None
+
+
 def packing_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 

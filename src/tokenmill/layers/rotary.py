@@ -13,7 +13,9 @@ from tokenmill.models.arch import RopeConfig
 
 
 def inv_frequencies(rot_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    # computed on the CPU even under a meta-device context: meta arange costs ~1 s of one-time
+    # imports at start-up, and the loader rebuilds these tables on the real device anyway
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -35,7 +37,7 @@ class RotaryEmbedding(nn.Module):
         self.rot_dim = int(head_dim * rope.partial_rotary_factor)
         self.ops: Any = None  # tokenmill's C++ CPU kernels, when the runner enables them
         inv_freq = inv_frequencies(self.rot_dim, rope)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
