@@ -69,6 +69,60 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < len; ++i) y[i] += p * x[i];
 }
 
+// Visits a sequence's context [start, len) block by block: fn(base, n) gets the element offset of
+// the first row (all kv heads of a row are contiguous) and the row count; the next block's K and V
+// are prefetched while fn works, since blocks live anywhere in the pool.
+template <typename T, typename Fn>
+inline void for_each_block(const int32_t* table, const T* kc, const T* vc, int64_t bs, int64_t row_len,
+                           int64_t start, int64_t len, Fn&& fn) {
+  for (int64_t bi = start / bs; bi * bs < len; ++bi) {
+    const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
+    if ((bi + 1) * bs < len) {
+      const int64_t next = table[bi + 1] * bs * row_len;
+      prefetch(kc + next, bs * row_len);
+      prefetch(vc + next, bs * row_len);
+    }
+    fn((table[bi] * bs + (p0 - bi * bs)) * row_len, n);
+  }
+}
+
+inline void reset(std::vector<float>& acc, std::vector<float>& m, std::vector<float>& l) {
+  std::fill(acc.begin(), acc.end(), 0.f);
+  std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(l.begin(), l.end(), 0.f);
+}
+
+// Online softmax over one block: folds the block's raw scores s[h * bs + j] (j < n) into each
+// head's running max m and sum l, rescales its accumulator acc[h * dim ...], and leaves the
+// block's unnormalised probabilities in s.
+inline void softmax_block(float* s, int64_t bs, int64_t n, int64_t hq, int64_t dim, float* m, float* l,
+                          float* acc) {
+  for (int64_t h = 0; h < hq; ++h) {
+    float* sh = s + h * bs;
+    float bmax = m[h];
+    for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[j]);
+    const float corr = tokenmill::exp_approx(m[h] - bmax);
+    m[h] = bmax;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      sh[j] = tokenmill::exp_approx(sh[j] - bmax);
+      sum += sh[j];
+    }
+    l[h] = l[h] * corr + sum;
+    float* a = acc + h * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
+  }
+}
+
+inline void normalize(float* acc, const float* l, int64_t hq, int64_t dim) {
+  for (int64_t h = 0; h < hq; ++h) {
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) acc[h * dim + d] *= inv;
+  }
+}
+
 template <typename T, int64_t DIM>
 void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
             int64_t num_seqs, int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks,
@@ -83,53 +137,23 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       load_row(q + b * hq * dim, qf.data(), hq * dim);
       for (int64_t i = 0; i < hq * dim; ++i) qf[i] *= scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t bi = start / bs; bi * bs < len; ++bi) {
-        const int64_t blk = tables[b * max_blocks + bi];
-        const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
-        const int64_t base = (blk * bs + (p0 - bi * bs)) * row_len;
-        if ((bi + 1) * bs < len) {  // the next block is elsewhere in memory: fetch it while we work
-          const int64_t next = tables[b * max_blocks + bi + 1] * bs * row_len;
-          prefetch(kc + next, bs * row_len);
-          prefetch(vc + next, bs * row_len);
-        }
+      reset(acc, m, l);
+      for_each_block(tables + b * max_blocks, kc, vc, bs, row_len, start, len, [&](int64_t base, int64_t n) {
         for (int64_t j = 0; j < n; ++j) {
           load_row(kc + base + j * row_len, row.data(), row_len);
           for (int64_t kh = 0, h = 0; kh < hk; ++kh)
             for (int64_t g = 0; g < group; ++g, ++h)
               s[h * bs + j] = dot<DIM>(qf.data() + h * dim, row.data() + kh * dim, dim);
         }
-        for (int64_t h = 0; h < hq; ++h) {
-          float* sh = s.data() + h * bs;
-          float bmax = m[h];
-          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[j]);
-          const float corr = std::exp(m[h] - bmax);
-          m[h] = bmax;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            sh[j] = tokenmill::exp_approx(sh[j] - bmax);
-            sum += sh[j];
-          }
-          l[h] = l[h] * corr + sum;
-          float* a = acc.data() + h * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
-        }
+        softmax_block(s.data(), bs, n, hq, dim, m.data(), l.data(), acc.data());
         for (int64_t j = 0; j < n; ++j) {
           load_row(vc + base + j * row_len, row.data(), row_len);
           for (int64_t kh = 0, h = 0; kh < hk; ++kh)
             for (int64_t g = 0; g < group; ++g, ++h)
               axpy<DIM>(s[h * bs + j], row.data() + kh * dim, acc.data() + h * dim, dim);
         }
-      }
-      for (int64_t h = 0; h < hq; ++h) {
-        float* a = acc.data() + h * dim;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        for (int64_t d = 0; d < dim; ++d) a[d] *= inv;
-      }
+      });
+      normalize(acc.data(), l.data(), hq, dim);
       store_row(acc.data(), out + b * hq * dim, hq * dim);
     }
   });
@@ -156,18 +180,8 @@ void decode_dpbf16(const at::BFloat16* q, const at::BFloat16* kc, const at::BFlo
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const auto* qb = reinterpret_cast<const __m512i*>(q + b * hq * DIM);
       for (int64_t i = 0; i < hq * NV; ++i) qv[i] = _mm512_loadu_si512(qb + i);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t bi = start / bs; bi * bs < len; ++bi) {
-        const int64_t blk = tables[b * max_blocks + bi];
-        const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
-        const int64_t base = (blk * bs + (p0 - bi * bs)) * row_len;
-        if ((bi + 1) * bs < len) {
-          const int64_t next = tables[b * max_blocks + bi + 1] * bs * row_len;
-          prefetch(kc + next, bs * row_len);
-          prefetch(vc + next, bs * row_len);
-        }
+      reset(acc, m, l);
+      for_each_block(tables + b * max_blocks, kc, vc, bs, row_len, start, len, [&](int64_t base, int64_t n) {
         for (int64_t j = 0; j < n; ++j) {
           const auto* krow = reinterpret_cast<const __m512i*>(kc + base + j * row_len);
           for (int64_t kh = 0, h = 0; kh < hk; ++kh) {
@@ -181,25 +195,7 @@ void decode_dpbf16(const at::BFloat16* q, const at::BFloat16* kc, const at::BFlo
             }
           }
         }
-        for (int64_t h = 0; h < hq; ++h) {
-          float* sh = s.data() + h * bs;
-          float bmax = m[h];
-          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[j]);
-          const float corr = tokenmill::exp_approx(m[h] - bmax);
-          m[h] = bmax;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            sh[j] = tokenmill::exp_approx(sh[j] - bmax);
-            sum += sh[j];
-          }
-          l[h] = l[h] * corr + sum;
-          const __m512 cv = _mm512_set1_ps(corr);
-          for (int64_t f = 0; f < NF; ++f) {
-            float* a = acc.data() + h * DIM + f * 16;
-            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), cv));
-          }
-        }
+        softmax_block(s.data(), bs, n, hq, DIM, m.data(), l.data(), acc.data());
         for (int64_t j = 0; j < n; ++j) {
           const auto* vrow = reinterpret_cast<const __m256i*>(vc + base + j * row_len);
           for (int64_t kh = 0, h0 = 0; kh < hk; ++kh, h0 += group) {
@@ -213,12 +209,8 @@ void decode_dpbf16(const at::BFloat16* q, const at::BFloat16* kc, const at::BFlo
             }
           }
         }
-      }
-      for (int64_t h = 0; h < hq; ++h) {
-        float* a = acc.data() + h * DIM;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        for (int64_t d = 0; d < DIM; ++d) a[d] *= inv;
-      }
+      });
+      normalize(acc.data(), l.data(), hq, DIM);
       store_row(acc.data(), out + b * hq * DIM, hq * DIM);
     }
   });
