@@ -15,10 +15,7 @@ import json, sys, psutil, torch
 from tokenmill.models.arch import load_arch_config
 from tokenmill.models.loader import load_model
 from tokenmill.layers.linear import pack_linears
-from tokenmill.models.llama import LlamaForCausalLM
 cfg = load_arch_config(sys.argv[1])
-with torch.device("meta"):  # one-time imports (meta-tensor registrations), not checkpoint-sized
-    LlamaForCausalLM(cfg, torch.bfloat16)
 warm = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16))  # one-time oneDNN set-up
 pack_linears(warm)
 warm(torch.ones(1, 64, dtype=torch.bfloat16))
