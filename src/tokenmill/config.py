@@ -103,8 +103,6 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, arch, device)
         max_model_len = self._max_model_len(arch)
         self._check_positive()
-        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < max_model_len:
-            pass  # chunked prefill makes any positive budget work
         backend = self.attention_backend
         if backend == "auto":
             backend = "cuda" if device == "cuda" else ("cpu" if self.cpu_kernels else "sdpa")
