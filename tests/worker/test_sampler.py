@@ -27,7 +27,8 @@ def llm(llama_dir: str) -> Iterator[LLM]:
 
 def row(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
         generator: torch.Generator | None = None) -> SamplingRow:
-    return SamplingRow(params, prompt or [], output or [], (EOS,), generator)
+    prompt = prompt or []
+    return SamplingRow(params, prompt + (output or []), len(prompt), (EOS,), generator)
 
 
 # ---- seeded reproducibility ------------------------------------------------------------------

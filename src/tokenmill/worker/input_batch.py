@@ -21,11 +21,6 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
-    prompt_logprobs: list = field(default_factory=list)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass

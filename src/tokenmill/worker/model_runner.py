@@ -93,8 +93,8 @@ class ModelRunner:
         rows = []
         for rid in step.sample_req_ids:
             st = self.states[rid]
-            rows.append(SamplingRow(st.sampling_params, st.token_ids[:st.num_prompt_tokens],
-                                    st.output_token_ids, self.eos_token_ids, st.generator))
+            rows.append(SamplingRow(st.sampling_params, st.token_ids, st.num_prompt_tokens, self.eos_token_ids,
+                                    st.generator))
         sampled = self.sampler(logits, rows)
         position = {rid: i for i, rid in enumerate(step.req_ids)}
         for k, (rid, tok) in enumerate(zip(step.sample_req_ids, sampled.token_ids, strict=False)):

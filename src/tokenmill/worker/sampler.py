@@ -18,11 +18,18 @@ LogprobEntry = tuple[list[int], list[float], list[int]]
 
 @dataclass
 class SamplingRow:
+    """One sampled sequence. token_ids is the request's own list (prompt then outputs), shared,
+    not copied: only penalties and min_tokens look at it, so most steps never slice it."""
+
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator | None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -35,7 +42,7 @@ def apply_logit_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> Non
     """In place, row by row, only for the rows that ask for something."""
     for i, row in enumerate(rows):
         p = row.params
-        if len(row.output_token_ids) < p.min_tokens:
+        if row.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
             if banned:
                 logits[i, banned] = float("-inf")
@@ -44,7 +51,8 @@ def apply_logit_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> Non
             vals = torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
             logits[i].index_add_(0, ids, vals)
         if p.needs_penalties:
-            apply_penalties(logits[i], p, row.prompt_token_ids, row.output_token_ids)
+            n = row.num_prompt_tokens
+            apply_penalties(logits[i], p, row.token_ids[:n], row.token_ids[n:])
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> None:
