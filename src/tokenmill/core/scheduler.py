@@ -59,8 +59,7 @@ class Scheduler:
         return (0 if req.status == RequestStatus.PREEMPTED else 1, req.priority, req.arrival_time)
 
     def _enqueue(self, req: Request) -> None:
-        keys = [self._queue_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, self._queue_key(req)), req)
+        bisect.insort_right(self.waiting, req, key=self._queue_key)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
