@@ -51,12 +51,9 @@ class PromptMaker:
 def load_tokenizer(path: str | None) -> Any | None:
     if path is None:
         return None
-    from transformers import AutoTokenizer
+    from tokenmill.engine.input_processor import load_tokenizer as load_engine_tokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+    return load_engine_tokenizer(path)
 
 
 def default_vocab_high(tokenizer: Any | None, model: str | None) -> int:
