@@ -70,10 +70,11 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         n = so.num_scheduled_tokens[rid]
         start = st.num_computed_tokens
         p = np.arange(start, start + n)
-        blocks = np.asarray(st.block_ids)
+        first = start // block_size  # only the blocks this chunk writes, not the whole table
+        blocks = np.asarray(st.block_ids[first:(start + n - 1) // block_size + 1])
         ids.append(np.asarray(st.token_ids[start:start + n]))
         pos.append(p)
-        slots.append(blocks[p // block_size] * block_size + p % block_size)
+        slots.append(blocks[p // block_size - first] * block_size + p % block_size)
         row0 = qsl[-1]
         qsl.append(row0 + n)
         seq_lens.append(start + n)
