@@ -31,7 +31,7 @@ def make_batch(seed: int, query_lens: list[int], ctx_lens: list[int], block_size
 
 @pytest.mark.parametrize("backend", ["sdpa", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hk,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 64), (4, 1, 16)])
+@pytest.mark.parametrize("hq,hk,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 64), (4, 1, 16), (8, 2, 128)])
 @pytest.mark.parametrize("window", [None, 7, 40])
 def test_matches_reference(backend: str, dtype: torch.dtype, hq: int, hk: int, dim: int, window: int | None) -> None:
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,20 @@ def test_cli_generate(llama_dir: str) -> None:
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="4MiB")
     expected = llm.generate(["import sys"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert done.stdout == expected[0].outputs[0].text + "\n"
+
+
+def test_plain_tokenizer_fast_path_matches_autotokenizer() -> None:
+    """load_tokenizer skips AutoTokenizer for plain tokenizer.json checkpoints (start-up time);
+    it must tokenize and render chat templates exactly as AutoTokenizer does."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.input_processor import load_tokenizer
+
+    path = str(Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo")
+    fast, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True)
+    text = "ROMEO.\nBut soft, what light through yonder window breaks? Ça va — 東京 🌹"
+    assert fast(text)["input_ids"] == auto(text)["input_ids"]
+    messages = [{"role": "user", "content": "Good morrow."}]
+    assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert fast.eos_token_id == auto.eos_token_id
