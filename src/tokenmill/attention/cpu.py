@@ -5,9 +5,10 @@ gather of their context (GQA without repeating K/V: the query heads of a group b
 query length); prefill chunks with no earlier context attend to their own fresh K/V with no
 cache read at all.
 
-`CpuBackend`: the same prefill path; decodes read K/V in place from the paged cache in a C++
-kernel (csrc/paged_decode.cpp), with no gather copy. Falls back to SDPA where the kernel
-cannot be built."""
+`CpuBackend`: decodes and (bf16, on CPUs with AVX512-BF16) all prefill chunks of a step read
+K/V in place from the paged cache in C++ kernels (csrc/paged_decode.cpp,
+csrc/prefill_attention.cpp), with no gather copy. Falls back to SDPA where a kernel cannot be
+built or does not apply."""
 
 from __future__ import annotations
 
@@ -86,17 +87,42 @@ class CpuBackend(SdpaBackend):
 
     def __init__(self) -> None:
         self.ops = load_cpu_kernels()
+        self._prefill_dims: dict[int, bool] = {}
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         d = meta.num_decodes
         if self.ops is None or device.type != "cpu":
             return super().prepare(meta, device)
-        if d == 0:
-            return
-        n_blocks = max(len(bt) for bt in meta.block_tables[:d])
-        table = [bt + [0] * (n_blocks - len(bt)) for bt in meta.block_tables[:d]]
-        meta.extra["decode_tables"] = torch.tensor(table, dtype=torch.int32)
-        meta.extra["decode_lens"] = torch.tensor(meta.seq_lens[:d], dtype=torch.int32)
+        if d:
+            meta.extra["decode_tables"] = _padded_tables(meta.block_tables[:d])
+            meta.extra["decode_lens"] = torch.tensor(meta.seq_lens[:d], dtype=torch.int32)
+        if meta.num_seqs > d:
+            meta.extra["prefill_tables"] = _padded_tables(meta.block_tables[d:])
+            meta.extra["prefill_starts"] = torch.tensor(meta.query_start_loc[d:], dtype=torch.int32)
+            meta.extra["prefill_lens"] = torch.tensor(meta.seq_lens[d:], dtype=torch.int32)
+
+    def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
+            return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+        # all prefill chunks in one call, K/V read in place from the cache (csrc/prefill_attention.cpp)
+        self.ops.prefill_attention(q, k_cache, v_cache, meta.extra["prefill_tables"], meta.extra["prefill_starts"],
+                                   meta.extra["prefill_lens"], scale, meta.sliding_window or 0, out)
+        return out
+
+    def _has_prefill_kernel(self, q: torch.Tensor) -> bool:
+        # the kernel is bf16-only (AVX512-BF16); other dtypes and CPUs keep the SDPA path
+        if q.dtype != torch.bfloat16:
+            return False
+        dim = q.shape[-1]
+        if dim not in self._prefill_dims:
+            self._prefill_dims[dim] = bool(self.ops.has_prefill_kernel(dim))
+        return self._prefill_dims[dim]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -105,3 +131,8 @@ class CpuBackend(SdpaBackend):
         return self.ops.paged_decode(q.contiguous(), k_cache, v_cache,
                                      meta.extra["decode_tables"], meta.extra["decode_lens"], scale,
                                      meta.sliding_window or 0)
+
+
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    n_blocks = max(len(bt) for bt in tables)
+    return torch.tensor([bt + [0] * (n_blocks - len(bt)) for bt in tables], dtype=torch.int32)

@@ -1,5 +1,5 @@
 """Builds (once, cached by torch's extension builder) and loads tokenmill's C++ CPU kernels:
-paged decode attention and the fused bf16 elementwise ops.
+paged decode and prefill attention and the fused bf16 elementwise ops.
 Returns None where they cannot be built, so callers fall back to their torch path."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_decode.cpp", "fused_ops.cpp")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_decode.cpp", "fused_ops.cpp", "prefill_attention.cpp")]
 # no -ffast-math: the fused ops must round like the torch reference
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
 
