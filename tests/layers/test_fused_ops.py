@@ -70,3 +70,22 @@ def test_bf16_model_with_and_without_kernels(llama_dir: str) -> None:
                 assert a.logprobs is not None and b.logprobs is not None
                 assert ta in b.logprobs[i] and tb in a.logprobs[i]
                 break
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_matches_index_put(dtype: torch.dtype) -> None:
+    from tokenmill.attention.backend import write_kv
+
+    torch.manual_seed(0)
+    hk, dim, t = 2, 16, 11
+    qkv = torch.randn(t, (4 + 2 * hk) * dim).to(dtype)  # strided k/v rows, as the model splits them
+    _, k, v = qkv.split([4 * dim, hk * dim, hk * dim], dim=-1)
+    k, v = k.view(t, hk, dim), v.view(t, hk, dim)
+    slots = torch.randperm(6 * 8)[:t]
+    expected = [torch.zeros(6, 8, hk, dim, dtype=dtype) for _ in range(2)]
+    got = [torch.zeros(6, 8, hk, dim, dtype=dtype) for _ in range(2)]
+    write_kv(k, v, expected[0], expected[1], slots)
+    OPS.write_kv_(k, v, got[0], got[1], slots)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    with pytest.raises(RuntimeError, match="out of range"):
+        OPS.write_kv_(k, v, got[0], got[1], torch.full((t,), 6 * 8))

@@ -29,6 +29,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.ops: Any = None  # tokenmill's C++ CPU kernels, when the runner enables them
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -40,7 +41,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        if self.ops is not None:
+            self.ops.write_kv_(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        else:
+            write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -107,9 +111,9 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def enable_fused_ops(self, ops: Any) -> None:
-        """Route bf16 norms, rotary and SiLU-and-mul through fused C++ kernels."""
+        """Route bf16 norms, rotary, SiLU-and-mul and KV-cache writes through fused C++ kernels."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, Attention)):
                 module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

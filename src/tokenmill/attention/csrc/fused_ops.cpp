@@ -109,16 +109,47 @@ void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, 
   });
 }
 
+// Stores this step's keys and values [T, H, D] (rows may be strided, as splits of a fused qkv
+// projection are) at their cache slots: cache [num_blocks, block_size, H, D] viewed as slots of
+// H * D contiguous elements. Any dtype; one memcpy per row and tensor.
+void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "write_kv: bad shapes");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "write_kv: dtypes differ");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0), "write_kv: slots");
+  const int64_t t = k.size(0), row = k.size(1) * k.size(2), elem = k.element_size();
+  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row, "write_kv: head shapes differ from the cache");
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "write_kv: heads of a row must be contiguous");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  auto slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "write_kv: slot ", sp[i], " out of range");
+    std::memcpy(kc + sp[i] * row * elem, kp + i * k.stride(0) * elem, row * elem);
+    std::memcpy(vc + sp[i] * row * elem, vp + i * v.stride(0) * elem, row * elem);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
+  m.impl("write_kv_", &write_kv_);
 }
