@@ -128,7 +128,7 @@ class CpuBackend(SdpaBackend):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if "decode_tables" not in meta.extra:
             return super()._decode(q, k_cache, v_cache, meta, scale)
-        return self.ops.paged_decode(q.contiguous(), k_cache, v_cache,
+        return self.ops.paged_decode(q, k_cache, v_cache,
                                      meta.extra["decode_tables"], meta.extra["decode_lens"], scale,
                                      meta.sliding_window or 0)
 

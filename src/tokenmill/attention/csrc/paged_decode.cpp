@@ -124,7 +124,7 @@ inline void normalize(float* acc, const float* l, int64_t hq, int64_t dim) {
 }
 
 template <typename T, int64_t DIM>
-void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
+void decode(const T* q, int64_t q_seq_stride, int64_t q_head_stride, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
             int64_t num_seqs, int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks,
             float scale, int64_t window) {
   // One work item per sequence: each cache block's K (then V) rows for all kv heads are one
@@ -135,7 +135,7 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      load_row(q + b * hq * dim, qf.data(), hq * dim);
+      for (int64_t h = 0; h < hq; ++h) load_row(q + b * q_seq_stride + h * q_head_stride, qf.data() + h * dim, dim);
       for (int64_t i = 0; i < hq * dim; ++i) qf[i] *= scale;
       reset(acc, m, l);
       for_each_block(tables + b * max_blocks, kc, vc, bs, row_len, start, len, [&](int64_t base, int64_t n) {
@@ -162,77 +162,314 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define TOKENMILL_DPBF16 1
-// bf16 caches on CPUs with AVX512-BF16: q.k by vdpbf16ps straight from the cached bf16 (no
-// conversion of K), the score scaled afterwards; V rows widened once and accumulated for all
-// heads. Same traversal and online softmax as decode() above.
+// bf16 caches on CPUs with AVX512-BF16. Keys are taken in tiles of up to 16 rows, one per zmm
+// lane, per kv head: the tile's K slice is transposed once into pairs of dims per key, so that
+// vdpbf16ps with a broadcast pair of q yields 16 scores at a time for every head of the GQA group
+// (no horizontal sums); the online softmax runs on those vectors; the V rows are accumulated into
+// float registers for all heads of the group. A head's float accumulator keeps even and odd
+// columns apart (widening bf16 pairs then needs no shuffle); they are interleaved again when the
+// result is written.
+constexpr int64_t TILE = 16;
+
+// exp_approx (common.h) on 16 lanes, lanes outside valid set to 0. No clamping: callers keep x <= 8,
+// and scalef takes a very negative x to 0 as it should.
+inline __m512 exp16(__m512 x, __mmask16 valid) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+  __m512 p = _mm512_set1_ps(1.3888889e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(valid, p, n);
+}
+
+// Software prefetch, spread over the work of a tile one row at a time (bursts of whole blocks stall the
+// loads needed now): a near copy into L1 about 8 KiB ahead and a far one into L2 eight kv-head slices
+// ahead, since blocks live anywhere in the pool and the hardware prefetchers stop at page ends.
+constexpr int NEAR = 3, FAR = 1;
+constexpr int64_t FAR_SLICES = 8;
+
+template <int64_t NV, int HINT>
+inline void prefetch_row(const at::BFloat16* p) {
+  for (int64_t c = 0; c < NV; ++c) __builtin_prefetch(p + c * 32, 0, HINT);
+}
+
+// r[j] (dwords of row j) -> r[e] (dword e of every row), a 16 x 16 transpose of 32-bit elements
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int p = 0; p < 4; ++p) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[p], u[4 + p], 0x44), v1 = _mm512_shuffle_i32x4(u[p], u[4 + p], 0xee);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + p], u[12 + p], 0x44),
+                  v3 = _mm512_shuffle_i32x4(u[8 + p], u[12 + p], 0xee);
+    r[p] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + p] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[8 + p] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + p] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+// Raw scores of NH heads (q as bf16 pairs, qd[h * DIM / 2 + e]) from the transposed K slice kt.
+template <int64_t NV, int NH>
+inline void heads_scores(const uint32_t* qd, const __m512i* kt, float* s) {
+  constexpr int A = NH <= 4 ? 4 : 2;  // accumulators per head, to hide vdpbf16ps latency
+  __m512 acc[NH][A];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < A; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < NV * 16; e += A)
+    for (int i = 0; i < A; ++i) {
+      const __m512bh k = (__m512bh)kt[e + i];
+      for (int h = 0; h < NH; ++h)
+        acc[h][i] = _mm512_dpbf16_ps(acc[h][i], (__m512bh)_mm512_set1_epi32(qd[h * NV * 16 + e + i]), k);
+    }
+  for (int h = 0; h < NH; ++h) {
+    __m512 t = acc[h][0];
+    for (int i = 1; i < A; ++i) t = _mm512_add_ps(t, acc[h][i]);
+    _mm512_storeu_ps(s + h * TILE, t);
+  }
+}
+
+// Raw scores of a GQA group's heads against the tile's keys (rows k + j * row_len, j < n) into
+// s[g * TILE + j]: the K slice is transposed into pairs of dims per key (lane j = key j), so each
+// vdpbf16ps with a broadcast pair of q gives 16 keys' partial scores. qd: the heads' q as bf16 pairs.
+template <int64_t NV, bool FULL>
+inline void group_scores(const uint32_t* qd, const at::BFloat16* k, int64_t row_len, int64_t n, int64_t group,
+                         float* s, const at::BFloat16* pf, const at::BFloat16* far) {
+  __m512i kt[NV * 16];
+  for (int64_t c = 0; c < NV; ++c) {
+    for (int64_t j = 0; j < TILE; ++j) {
+      if (!FULL && j >= n) { kt[c * 16 + j] = _mm512_setzero_si512(); continue; }
+      if (pf && c == 0) prefetch_row<NV, NEAR>(pf + j * row_len);
+      if (far && c == 0) prefetch_row<NV, FAR>(far + j * row_len);
+      kt[c * 16 + j] = _mm512_loadu_si512(k + j * row_len + c * 32);
+    }
+    transpose16(kt + c * 16);
+  }
+  for (int64_t h = 0; h < group; h += 8) {
+    const uint32_t* qh = qd + h * NV * 16;
+    float* sh = s + h * TILE;
+    switch (std::min<int64_t>(8, group - h)) {
+      case 1: heads_scores<NV, 1>(qh, kt, sh); break;
+      case 2: heads_scores<NV, 2>(qh, kt, sh); break;
+      case 3: heads_scores<NV, 3>(qh, kt, sh); break;
+      case 4: heads_scores<NV, 4>(qh, kt, sh); break;
+      case 5: heads_scores<NV, 5>(qh, kt, sh); break;
+      case 6: heads_scores<NV, 6>(qh, kt, sh); break;
+      case 7: heads_scores<NV, 7>(qh, kt, sh); break;
+      default: heads_scores<NV, 8>(qh, kt, sh); break;
+    }
+  }
+}
+
+// Online softmax of one head over a tile: folds scores s (lanes in valid) into the running max m and
+// the lane-wise running sum l; returns the tile's unnormalised probabilities (0 outside valid) and sets
+// corr to the factor that rescales the head's accumulator. exp(s - m) is right for any m, so m is
+// raised only when a score passes m + 8 (no overflow below e^8): most tiles skip the reduction and
+// the rescale.
+inline __m512 tile_softmax(__m512 s, __mmask16 valid, float& m, __m512& l, float& corr) {
+  corr = 1.f;
+  if (_mm512_mask_cmp_ps_mask(valid, s, _mm512_set1_ps(m + 8.f), _CMP_GT_OQ)) {
+    const float top = _mm512_mask_reduce_max_ps(valid, s);
+    corr = tokenmill::exp_approx(m - top);
+    m = top;
+    l = _mm512_mul_ps(l, _mm512_set1_ps(corr));
+  }
+  const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m)), valid);
+  l = _mm512_add_ps(l, p);
+  return p;
+}
+
+// acc[h] = acc[h] * corr[h] + sum_j p[h][j] v[j] for NH heads over NC 32-column chunks from c0, in
+// registers across the tile's n V rows (v + j * row_len).
+template <int64_t DIM, int NH, int NC>
+inline void tile_pv(float* acc, const float* p, const float* corr, const at::BFloat16* v, int64_t row_len,
+                    int64_t n, int64_t c0, const at::BFloat16* pf, const at::BFloat16* far) {
+  __m512 ae[NH][NC], ao[NH][NC];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) {
+      const __m512 f = _mm512_set1_ps(corr[h]);
+      ae[h][c] = _mm512_mul_ps(f, _mm512_loadu_ps(acc + h * DIM + (c0 + c) * 32));
+      ao[h][c] = _mm512_mul_ps(f, _mm512_loadu_ps(acc + h * DIM + (c0 + c) * 32 + 16));
+    }
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t j = 0; j < n; ++j) {
+    if (pf) prefetch_row<DIM / 32, NEAR>(pf + j * row_len);
+    if (far) prefetch_row<DIM / 32, FAR>(far + j * row_len);
+    const auto* vr = reinterpret_cast<const __m512i*>(v + j * row_len) + c0;
+    for (int c = 0; c < NC; ++c) {
+      const __m512i x = _mm512_loadu_si512(vr + c);
+      const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      for (int h = 0; h < NH; ++h) {
+        const __m512 pj = _mm512_set1_ps(p[h * TILE + j]);
+        ae[h][c] = _mm512_fmadd_ps(pj, ve, ae[h][c]);
+        ao[h][c] = _mm512_fmadd_ps(pj, vo, ao[h][c]);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) {
+      _mm512_storeu_ps(acc + h * DIM + (c0 + c) * 32, ae[h][c]);
+      _mm512_storeu_ps(acc + h * DIM + (c0 + c) * 32 + 16, ao[h][c]);
+    }
+}
+
+// NH heads at once, in column chunks small enough that the accumulators stay in registers.
+template <int64_t DIM, int NH>
+inline void heads_pv(float* acc, const float* p, const float* corr, const at::BFloat16* v, int64_t row_len,
+                     int64_t n, const at::BFloat16* pf, const at::BFloat16* far) {
+  constexpr int NV = DIM / 32;
+  constexpr int NC = NV % 4 == 0 && NH <= 3 ? 4 : NV % 2 == 0 && NH <= 6 ? 2 : 1;
+  for (int c0 = 0; c0 < NV; c0 += NC) tile_pv<DIM, NH, NC>(acc, p, corr, v, row_len, n, c0, c0 == 0 ? pf : nullptr, c0 == 0 ? far : nullptr);
+}
+
 template <int64_t DIM>
-void decode_dpbf16(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc, const int32_t* tables,
-                   const int32_t* lens, at::BFloat16* out, int64_t num_seqs, int64_t hq, int64_t hk, int64_t bs,
-                   int64_t max_blocks, float scale, int64_t window) {
+void group_pv(float* acc, const float* p, const float* corr, const at::BFloat16* v, int64_t row_len, int64_t n,
+              int64_t group, const at::BFloat16* pf, const at::BFloat16* far) {
+  for (int64_t h = 0; h < group; h += 8) {
+    float* a = acc + h * DIM;
+    const float *ph = p + h * TILE, *ch = corr + h;
+    switch (std::min<int64_t>(8, group - h)) {
+      case 1: heads_pv<DIM, 1>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      case 2: heads_pv<DIM, 2>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      case 3: heads_pv<DIM, 3>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      case 4: heads_pv<DIM, 4>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      case 5: heads_pv<DIM, 5>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      case 6: heads_pv<DIM, 6>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      case 7: heads_pv<DIM, 7>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      default: heads_pv<DIM, 8>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+    }
+  }
+}
+
+// out = acc / l as bf16, columns interleaved back from the even/odd accumulator layout
+template <int64_t DIM>
+void store_heads(const float* acc, const float* l, int64_t hq, at::BFloat16* out) {
+  for (int64_t h = 0; h < hq; ++h) {
+    const __m512 inv = _mm512_set1_ps(l[h] > 0.f ? 1.f / l[h] : 0.f);
+    for (int64_t c = 0; c < DIM / 32; ++c) {
+      const float* a = acc + h * DIM + c * 32;
+      const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(a))));
+      const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(a + 16))));
+      _mm512_storeu_si512(out + h * DIM + c * 32, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+    }
+  }
+}
+
+// The blocks of sequences [begin, end) in order, for prefetching ahead across sequence ends.
+struct BlockCursor {
+  const int32_t *tables, *lens;
+  int64_t max_blocks, bs, window, end, b, bi;
+  int64_t first(int64_t s) const { return window > 0 ? std::max<int64_t>(0, lens[s] - window) / bs : 0; }
+  int64_t last(int64_t s) const { return (lens[s] + bs - 1) / bs; }
+  void skip_empty() {
+    while (b < end && bi >= last(b)) if (++b < end) bi = first(b);
+  }
+  bool valid() const { return b < end; }
+  int64_t block() const { return tables[b * max_blocks + bi]; }
+  void next() { ++bi; skip_empty(); }
+};
+
+template <int64_t DIM>
+void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_stride, const at::BFloat16* kc,
+                   const at::BFloat16* vc, const int32_t* tables, const int32_t* lens, at::BFloat16* out,
+                   int64_t num_seqs, int64_t hq, int64_t hk, int64_t bs, int64_t max_blocks, float scale,
+                   int64_t window) {
   static_assert(DIM % 32 == 0, "head size must be a multiple of 32");
-  constexpr int64_t NV = DIM / 32, NF = DIM / 16;
+  constexpr int64_t NV = DIM / 32;
   const int64_t group = hq / hk, row_len = hk * DIM;
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> qv(hq * NV);
-    std::vector<float> acc(hq * DIM), s(hq * bs), m(hq), l(hq);
+    std::vector<float> acc(hq * DIM), p(group * TILE), corr(group), m(hq), l(hq);
+    std::vector<__m512> lv(hq);
+    BlockCursor ahead{tables, lens, max_blocks, bs, window, end, begin, 0};
+    ahead.bi = ahead.first(begin);
+    ahead.skip_empty();
+    constexpr int64_t R = 8;
+    int64_t ring[R];  // start offsets of the current block and the next R - 1 (-1: none)
+    for (int64_t i = 0; i < R; ++i) {
+      ring[i] = ahead.valid() ? ahead.block() * bs * row_len : -1;
+      ahead.next();
+    }
+    constexpr int64_t near_slices = std::max<int64_t>(1, 8192 / (TILE * DIM * 4));
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const auto* qb = reinterpret_cast<const __m512i*>(q + b * hq * DIM);
-      for (int64_t i = 0; i < hq * NV; ++i) qv[i] = _mm512_loadu_si512(qb + i);
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t c = 0; c < NV; ++c)
+          qv[h * NV + c] = _mm512_loadu_si512(q + b * q_seq_stride + h * q_head_stride + c * 32);
       reset(acc, m, l);
-      for_each_block(tables + b * max_blocks, kc, vc, bs, row_len, start, len, [&](int64_t base, int64_t n) {
-        for (int64_t j = 0; j < n; ++j) {
-          const auto* krow = reinterpret_cast<const __m512i*>(kc + base + j * row_len);
-          for (int64_t kh = 0, h = 0; kh < hk; ++kh) {
-            __m512i kv[NV];
-            for (int64_t c = 0; c < NV; ++c) kv[c] = _mm512_loadu_si512(krow + kh * NV + c);
-            for (int64_t g = 0; g < group; ++g, ++h) {
-              __m512 a = _mm512_setzero_ps();
-              for (int64_t c = 0; c < NV; ++c)
-                a = _mm512_dpbf16_ps(a, (__m512bh)qv[h * NV + c], (__m512bh)kv[c]);
-              s[h * bs + j] = _mm512_reduce_add_ps(a) * scale;
+      std::fill(lv.begin(), lv.end(), _mm512_setzero_ps());
+      for (int64_t bi = start / bs; bi * bs < len; ++bi) {
+        const int64_t p0 = std::max(start, bi * bs), rows = std::min(len, (bi + 1) * bs) - p0;
+        const int64_t base = (tables[b * max_blocks + bi] * bs + (p0 - bi * bs)) * row_len;
+        for (int64_t t = 0; t < rows; t += TILE) {
+          const int64_t n = std::min(TILE, rows - t);
+          const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+          for (int64_t kh = 0; kh < hk; ++kh) {
+            const int64_t off = base + t * row_len + kh * DIM;
+            // the same rows of the kv-head slice `ahead` slices on (a slice: kv head kh of a tile)
+            auto slice = [&](int64_t ahead) -> int64_t {
+              const int64_t i = kh + ahead, blk = std::min(i / hk, R - 1);
+              return ring[blk] >= 0 && t + TILE <= bs ? ring[blk] + t * row_len + (i % hk) * DIM : -1;
+            };
+            const int64_t near = slice(near_slices), far = slice(FAR_SLICES);
+            const at::BFloat16 *kn = near >= 0 ? kc + near : nullptr, *vn = near >= 0 ? vc + near : nullptr;
+            const at::BFloat16 *kf = far >= 0 ? kc + far : nullptr, *vf = far >= 0 ? vc + far : nullptr;
+            const uint32_t* qd = reinterpret_cast<const uint32_t*>(qv.data()) + kh * group * NV * 16;
+            if (n == TILE) group_scores<NV, true>(qd, kc + off, row_len, n, group, p.data(), kn, kf);
+            else group_scores<NV, false>(qd, kc + off, row_len, n, group, p.data(), kn, kf);
+            for (int64_t g = 0; g < group; ++g) {
+              const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(&p[g * TILE]), _mm512_set1_ps(scale));
+              const int64_t h = kh * group + g;
+              _mm512_storeu_ps(&p[g * TILE], tile_softmax(s, valid, m[h], lv[h], corr[g]));
             }
+            group_pv<DIM>(acc.data() + kh * group * DIM, p.data(), corr.data(), vc + off, row_len, n, group, vn, vf);
           }
         }
-        softmax_block(s.data(), bs, n, hq, DIM, m.data(), l.data(), acc.data());
-        for (int64_t j = 0; j < n; ++j) {
-          const auto* vrow = reinterpret_cast<const __m256i*>(vc + base + j * row_len);
-          for (int64_t kh = 0, h0 = 0; kh < hk; ++kh, h0 += group) {
-            for (int64_t f = 0; f < NF; ++f) {
-              const __m512 v = _mm512_castsi512_ps(
-                  _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(vrow + kh * NF + f)), 16));
-              for (int64_t g = 0; g < group; ++g) {
-                float* a = acc.data() + (h0 + g) * DIM + f * 16;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(s[(h0 + g) * bs + j]), v, _mm512_loadu_ps(a)));
-              }
-            }
-          }
-        }
-      });
-      normalize(acc.data(), l.data(), hq, DIM);
-      store_row(acc.data(), out + b * hq * DIM, hq * DIM);
+        for (int64_t i = 0; i + 1 < R; ++i) ring[i] = ring[i + 1];
+        ring[R - 1] = ahead.valid() ? ahead.block() * bs * row_len : -1;
+        ahead.next();
+      }
+      for (int64_t h = 0; h < hq; ++h) l[h] = _mm512_reduce_add_ps(lv[h]);
+      store_heads<DIM>(acc.data(), l.data(), hq, out + b * hq * DIM);
     }
   });
 }
 #endif
 
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "need contiguous");
+  // q may be a strided view (a split of a fused qkv projection) as long as each head's row is contiguous
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "need int32");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());
   const int64_t hq = q.size(1), dim = q.size(2), bs = k_cache.size(1), hk = k_cache.size(2);
   TORCH_CHECK(hq % hk == 0 && k_cache.size(3) == dim, "head shapes do not match");
 #ifdef TOKENMILL_DPBF16
   if (q.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128)) {
     auto kernel = dim == 64 ? decode_dpbf16<64> : decode_dpbf16<128>;
-    kernel(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+    kernel(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
            tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), q.size(0), hq, hk,
            bs, tables.size(1), static_cast<float>(scale), window);
     return out;
@@ -241,7 +478,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto kernel = dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
-    kernel(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int32_t>(),
+    kernel(q.data_ptr<T>(), q.stride(0), q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int32_t>(),
               lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), hq, hk, dim, bs, tables.size(1),
               static_cast<float>(scale), window);
   };
