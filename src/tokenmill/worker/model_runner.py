@@ -43,8 +43,8 @@ class ModelRunner:
         self.arch = config.model.arch
         self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            pack_linears(self.model)
             ops = load_cpu_kernels() if config.device.cpu_kernels else None
+            pack_linears(self.model, ops)
             if ops is not None:
                 self.model.enable_fused_ops(ops)
         self.backend = get_backend(config.attention_backend)
