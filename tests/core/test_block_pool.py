@@ -80,13 +80,13 @@ def test_a_hit_refreshes_a_block_in_the_lru() -> None:
     a, b, c = pool.allocate(3)
     pool.cache(a, 1, (1,))
     pool.cache(b, 2, (2,))
-    pool.release([a, b, c])  # LRU: a, b, c
+    pool.release([a, b, c])  # LRU: a, b; c holds nothing cached (blank)
     hit = pool.lookup(1, (1,))
     assert hit is a
     pool.take([hit])  # a is in use again: out of the LRU
     assert a.ref_cnt == 1 and pool.num_free_blocks == 2
-    pool.release([a])  # back at the tail: LRU b, c, a
-    assert _ids(pool.allocate(2)) == [b.block_id, c.block_id]
+    pool.release([a])  # back at the tail: LRU b, a
+    assert _ids(pool.allocate(2)) == [c.block_id, b.block_id]  # the blank one first, then the LRU
     assert pool.lookup(1, (1,)) is a
 
 
@@ -199,7 +199,9 @@ class PoolMachine(RuleBasedStateMachine):
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0), b
-            assert (b.block_id in self.pool._free) == (b.ref_cnt == 0)
+            assert (b.block_id in self.pool._free or b.block_id in self.pool._blank) == (b.ref_cnt == 0)
+            assert b.block_id not in self.pool._free or b.block_hash is not None
+            assert b.block_id not in self.pool._blank or b.block_hash is None
         assert self.pool.num_free_blocks == self.NUM_BLOCKS - len(held)
         for block_hash, b in self.pool._cached.items():
             assert b.block_hash == block_hash and b.token_ids == (block_hash,)
@@ -213,3 +215,22 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
+
+
+def test_blank_blocks_are_reused_most_recently_freed_first() -> None:
+    # memory written before is handed out again before blocks never written (fresh pages fault)
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2]
+    pool.release(a)  # no cached content: blank, back on the stack
+    assert [b.block_id for b in pool.allocate(2)] == [2, 1]
+
+
+def test_reset_prefix_cache_reuses_the_last_written_blocks_first() -> None:
+    pool = BlockPool(8)
+    a = pool.allocate(4)
+    for i, b in enumerate(a):
+        pool.cache(b, 100 + i, (100 + i,))
+    pool.release(a)
+    assert pool.reset_prefix_cache() and pool.num_cached_blocks == 0
+    assert sorted(b.block_id for b in pool.allocate(4)) == [0, 1, 2, 3]

@@ -160,7 +160,8 @@ class KVMachine(RuleBasedStateMachine):
         held = self._holders()
         for b in self.kv.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0), b
-            assert (b.block_id in self.kv.pool._free) == (b.ref_cnt == 0), b
+            free = b.block_id in self.kv.pool._free or b.block_id in self.kv.pool._blank
+            assert free == (b.ref_cnt == 0), b
         assert self.kv.num_free_blocks + len(held) == NUM_BLOCKS
         assert set(self.kv.req_blocks) == set(self.reqs)
 

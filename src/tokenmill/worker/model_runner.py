@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from tokenmill.attention import get_backend
@@ -17,19 +15,10 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.linear import pack_linears
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
+from tokenmill.worker.memory import keep_freed_memory, zeros_lazily
 from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplingRow, topn_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On CPU it comes from calloc, so a large pool is zero pages the OS faults
-    in as blocks are first written: start-up neither touches nor commits the whole budget.
-    (Zeros matter: padded attention reads of never-written slots must not meet NaN garbage.)"""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -38,6 +27,7 @@ class ModelRunner:
         self.device = torch.device(config.device.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads or default_num_threads())
+            keep_freed_memory()
         torch.manual_seed(config.model.seed)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
