@@ -32,6 +32,7 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
         self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
+        ops = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             ops = load_cpu_kernels() if config.device.cpu_kernels else None
             pack_linears(self.model, ops)
@@ -45,7 +46,7 @@ class ModelRunner:
         self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.states: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(ops)
         self.eos_token_ids = self.arch.eos_token_ids
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()

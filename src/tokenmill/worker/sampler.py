@@ -8,6 +8,7 @@ draws exactly one [vocab] vector from its own generator per step, whatever else 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -100,8 +101,21 @@ def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[
     return out
 
 
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing that changes or reports the logits."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties
+            and row.num_output_tokens >= p.min_tokens)
+
+
 class Sampler:
+    def __init__(self, ops: Any = None) -> None:
+        self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 logits
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if (self.ops is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu"
+                and all(is_plain_greedy(r) for r in rows)):
+            return SamplerOutput(self.ops.argmax_rows(logits).tolist())
         logits = logits.float()
         max_logprobs = max((r.params.logprobs or 0) for r in rows) if rows else 0
         want_logprobs = any(r.params.logprobs is not None for r in rows)
