@@ -7,6 +7,7 @@ This module imports no torch, so the pure-Python core can use these types.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 from dataclasses import MISSING, dataclass, fields
@@ -194,12 +195,19 @@ def _resolve_device(device: str) -> str:
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cpu":
         return device
+    if device == "auto" and not _gpu_device_nodes():
+        return "cpu"  # no torch import (~1.5 s of start-up) in a process that needs none
     import torch
 
     has_cuda = torch.cuda.is_available()
     if device == "cuda" and not has_cuda:
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
     return "cuda" if has_cuda else "cpu"
+
+
+def _gpu_device_nodes() -> bool:
+    """Whether this machine shows an NVIDIA (or ROCm) device node: without one torch sees no GPU."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
 def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from tokenmill.attention.backend import AttentionBackend
+if TYPE_CHECKING:  # the registry itself imports no torch: config validation uses it
+    from tokenmill.attention.backend import AttentionBackend
 
 _REGISTRY: dict[str, str] = {
     "torch_ref": "tokenmill.attention.torch_ref:TorchRefBackend",
