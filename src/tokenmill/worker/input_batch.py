@@ -61,7 +61,12 @@ def update_states(states: dict[str, CachedRequestState], so: SchedulerOutput, de
 def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block_size: int) -> StepBatch:
     order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
     num_decodes = sum(1 for r in order if so.num_scheduled_tokens[r] == 1)
-    ids, pos, slots = [], [], []
+    # decodes (one token each) in plain Python ints, which is cheaper than numpy per row;
+    # prefill chunks as numpy ranges
+    ids: list[np.ndarray] = [np.empty(num_decodes, dtype=np.int64)]
+    pos: list[np.ndarray] = [np.empty(num_decodes, dtype=np.int64)]
+    slots: list[np.ndarray] = [np.empty(num_decodes, dtype=np.int64)]
+    dec_ids, dec_pos, dec_slots = [], [], []
     qsl = [0]
     seq_lens, tables, sample_ids, logits_idx = [], [], [], []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
@@ -69,12 +74,17 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         st = states[rid]
         n = so.num_scheduled_tokens[rid]
         start = st.num_computed_tokens
-        p = np.arange(start, start + n)
-        first = start // block_size  # only the blocks this chunk writes, not the whole table
-        blocks = np.asarray(st.block_ids[first:(start + n - 1) // block_size + 1])
-        ids.append(np.asarray(st.token_ids[start:start + n]))
-        pos.append(p)
-        slots.append(blocks[p // block_size - first] * block_size + p % block_size)
+        if n == 1:
+            dec_ids.append(st.token_ids[start])
+            dec_pos.append(start)
+            dec_slots.append(st.block_ids[start // block_size] * block_size + start % block_size)
+        else:
+            p = np.arange(start, start + n)
+            first = start // block_size  # only the blocks this chunk writes, not the whole table
+            blocks = np.asarray(st.block_ids[first:(start + n - 1) // block_size + 1])
+            ids.append(np.asarray(st.token_ids[start:start + n]))
+            pos.append(p)
+            slots.append(blocks[p // block_size - first] * block_size + p % block_size)
         row0 = qsl[-1]
         qsl.append(row0 + n)
         seq_lens.append(start + n)
@@ -86,5 +96,6 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
             # position p's logits score prompt token p + 1
             count = min(start + n, st.num_prompt_tokens - 1) - start
             prompt_rows[rid] = (row0, count, start + 1)
+    ids[0][:], pos[0][:], slots[0][:] = dec_ids, dec_pos, dec_slots
     return StepBatch(order, np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), qsl,
                      seq_lens, tables, num_decodes, sample_ids, logits_idx, prompt_rows)
