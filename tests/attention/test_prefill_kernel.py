@@ -20,7 +20,7 @@ def _kernel_applies(dim: int) -> bool:
 
 
 def _compare(query_lens: list[int], ctx_lens: list[int], hq: int, hk: int, dim: int, window: int | None,
-             block_size: int = 16, seed: int = 0) -> None:
+             block_size: int = 16, seed: int = 0, strided_q: bool = False) -> None:
     if not _kernel_applies(dim):
         pytest.skip("no AVX512-BF16 prefill kernel on this CPU")
     torch.manual_seed(seed)
@@ -29,6 +29,11 @@ def _compare(query_lens: list[int], ctx_lens: list[int], hq: int, hk: int, dim: 
     k_cache = torch.randn(num_blocks, block_size, hk, dim, dtype=torch.bfloat16)
     v_cache = torch.randn(num_blocks, block_size, hk, dim, dtype=torch.bfloat16)
     q = torch.randn(sum(query_lens), hq, dim, dtype=torch.bfloat16)
+    if strided_q:  # as the model passes it: the q part of a fused qkv projection's rows
+        qkv = torch.randn(q.shape[0], (hq + 2 * hk) * dim, dtype=torch.bfloat16)
+        qkv[:, : hq * dim] = q.flatten(1)
+        q = qkv[:, : hq * dim].view(-1, hq, dim)
+        assert not q.is_contiguous()
     k_new = torch.cat([_ctx(k_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
     v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
     fast = CpuBackend()
@@ -56,6 +61,11 @@ def test_long_prompt(window: int | None) -> None:
 def test_chunk_after_long_context(window: int | None, block_size: int) -> None:
     # decodes first, then a chunk of 200 rows after 1,000 cached tokens and a short fresh prompt
     _compare([1, 1, 200, 37], [70, 1200, 1200, 37], 12, 4, 64, window, block_size)
+
+
+def test_strided_q_as_split_from_qkv() -> None:
+    # decodes and prefill chunks read q in place from the qkv rows (no contiguous copy)
+    _compare([1, 1, 200, 37], [70, 300, 300, 37], 12, 4, 64, None, strided_q=True)
 
 
 def test_window_smaller_than_chunk_wide_group() -> None:

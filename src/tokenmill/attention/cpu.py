@@ -105,8 +105,7 @@ class CpuBackend(SdpaBackend):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided split of qkv
         d = meta.num_decodes
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)

@@ -45,6 +45,7 @@ struct Problem {
   const int32_t* lens;    // [P] context length of each chunk's sequence
   const int32_t* tables;  // [P, max_blocks]
   int64_t max_blocks, hq, hk, bs;
+  int64_t q_stride;       // elements between q's rows (q may be a split of a fused qkv projection)
   float c;                // softmax scale * log2(e): scores live in the log2 domain
   int64_t window;
 };
@@ -227,7 +228,7 @@ inline void transpose16(__m512i* x) {
 // Sets the tile's row positions and packs its Q rows (rows past the end repeat the last one, and
 // are never stored); returns the number of real rows.
 template <int D>
-int setup_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_t** qrow) {
+int setup_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_t** qrow, int64_t* out_off) {
   const int64_t group = pr.hq / pr.hk, n = pr.qsl[it.seq + 1] - pr.qsl[it.seq], ctx = pr.lens[it.seq];
   const int64_t r0 = static_cast<int64_t>(it.tile) * TR;
   const int rows = static_cast<int>(std::min<int64_t>(TR, n * group - r0));
@@ -235,7 +236,9 @@ int setup_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16
     const int64_t r = r0 + std::min(t, rows - 1), i = r / group, g = r % group;
     ws.qpos[t] = static_cast<int32_t>(ctx - n + i);
     ws.lo[t] = pr.window > 0 ? static_cast<int32_t>(ctx - n + i - pr.window) : -1;
-    qrow[t] = pr.q + ((pr.qsl[it.seq] + i) * pr.hq + it.head * group + g) * D;
+    const int64_t row = pr.qsl[it.seq] + i, h = it.head * group + g;
+    qrow[t] = pr.q + row * pr.q_stride + h * D;
+    out_off[t] = (row * pr.hq + h) * D;
   }
   for (int r = 0; r < RV; ++r)
     for (int c = 0; c < D / 32; ++c) {
@@ -253,7 +256,8 @@ void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_
   constexpr int RB = D == 32 ? 12 : D == 64 ? 6 : 3;
   static_assert(TR % RB == 0, "row blocks must tile the query tile");
   const uint16_t* qrow[TR];
-  const int rows = setup_tile(pr, it, ws, qrow);
+  int64_t out_off[TR];
+  const int rows = setup_tile(pr, it, ws, qrow, out_off);
   const int64_t min_q = ws.qpos[0], max_q = ws.qpos[rows - 1];
   const int64_t kstart = pr.window > 0 ? std::max<int64_t>(0, min_q - pr.window + 1) : 0;
   const int32_t* table = pr.tables + it.seq * pr.max_blocks;
@@ -277,7 +281,7 @@ void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_
   }
   for (int r = 0; r < RV; ++r) _mm512_store_ps(&ws.l[16 * r], l[r]);
   for (int t = 0; t < rows; ++t) {
-    uint16_t* dst = pr.out + (qrow[t] - pr.q);
+    uint16_t* dst = pr.out + out_off[t];
     const __m512 inv = _mm512_set1_ps(1.f / ws.l[t]);
     for (int v = 0; v < D / 16; ++v)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * v),
@@ -331,8 +335,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                        const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
-              "prefill_attention: needs contiguous tensors");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "prefill_attention: q's heads must be contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+              "prefill_attention: needs contiguous caches and out");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16 && out.sizes() == q.sizes(),
               "prefill_attention: needs bfloat16 q, caches and out of q's shape");
@@ -352,7 +357,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
                    qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), tables.data_ptr<int32_t>(),
-                   tables.size(1), hq, hk, k_cache.size(1),
+                   tables.size(1), hq, hk, k_cache.size(1), q.stride(0),
                    static_cast<float>(scale) * kLog2e, window};
   if (dim == 32) prefill<32>(pr, num_seqs);
   else if (dim == 64) prefill<64>(pr, num_seqs);
