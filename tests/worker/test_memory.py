@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import sys
+import time
 
 import torch
 
-from tokenmill.worker.memory import keep_freed_memory, zeros_lazily
+from tokenmill.worker.memory import BackgroundPopulate, keep_freed_memory, zeros_lazily
 
 
 def test_zeros_lazily_is_a_writable_zero_tensor() -> None:
@@ -22,3 +26,52 @@ def test_keep_freed_memory_applies_on_glibc() -> None:
         assert keep_freed_memory()
     else:
         keep_freed_memory()
+
+
+def test_background_populate_faults_the_pool_in_without_changing_it() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    shape = (2, 2, 300, 16, 2, 8)  # regions of 300 blocks, not page-aligned per region
+    t = zeros_lazily(shape, torch.bfloat16, torch.device("cpu"))
+    t[1, 0, 7] = 3
+    assert _resident_fraction(t) < 0.5
+    pop = BackgroundPopulate(t, block_dim=2, chunk_bytes=1 << 16).start()
+    assert pop.thread is not None
+    pop.thread.join(timeout=30)
+    assert not pop.thread.is_alive()
+    assert _resident_fraction(t) == 1.0
+    assert int(t.float().sum()) == 3 * 16 * 2 * 8  # the contents are untouched
+
+
+def test_background_populate_waits_while_a_step_runs() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    t = zeros_lazily((4, 2048, 16, 2, 8), torch.bfloat16, torch.device("cpu"))  # 8 MiB
+    pop = BackgroundPopulate(t, block_dim=1, chunk_bytes=1 << 16, quiet_s=0.2)
+    assert pop.thread is not None
+    with pop.paused():
+        pop.start()
+        time.sleep(0.3)
+        assert _resident_fraction(t) == 0.0
+    pop.thread.join(timeout=30)
+    assert _resident_fraction(t) == 1.0  # it went on once the step was over
+
+
+def test_background_populate_stops() -> None:
+    t = zeros_lazily((2, 4096, 16, 2, 8), torch.bfloat16, torch.device("cpu"))
+    pop = BackgroundPopulate(t, block_dim=1, chunk_bytes=1 << 16).start()
+    pop.stop()
+    if pop.thread is not None:
+        pop.thread.join(timeout=30)
+        assert not pop.thread.is_alive()
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """The share of t's pages in memory, by mincore(2)."""
+    page = mmap.PAGESIZE
+    start = t.data_ptr() - t.data_ptr() % page
+    n = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / n

@@ -15,7 +15,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.linear import pack_linears
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
-from tokenmill.worker.memory import keep_freed_memory, zeros_lazily
+from tokenmill.worker.memory import BackgroundPopulate, keep_freed_memory, zeros_lazily
 from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplingRow, topn_logprobs
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,18 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
-        self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
+                 self.arch.head_dim)
+        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self._populate = BackgroundPopulate(self.kv_cache, block_dim=2).start()  # overlaps the weight load
+        try:
+            self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
+        except BaseException:
+            self._populate.stop()
+            raise
         ops = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             ops = load_cpu_kernels() if config.device.cpu_kernels else None
@@ -39,12 +50,6 @@ class ModelRunner:
             if ops is not None:
                 self.model.enable_fused_ops(ops)
         self.backend = get_backend(config.attention_backend)
-        self.block_size = config.cache.block_size
-        self.num_blocks = self._num_blocks()
-        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
-                 self.arch.head_dim)
-        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(ops)
         self.eos_token_ids = self.arch.eos_token_ids
@@ -58,8 +63,12 @@ class ModelRunner:
         per_block = self.block_size * self.arch.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
         return max(1, self.config.cache.kv_cache_bytes // per_block)
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        with self._populate.paused():
+            return self._execute(so)
+
+    @torch.inference_mode()
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         update_states(self.states, so, self.device)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
