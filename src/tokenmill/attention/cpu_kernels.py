@@ -14,7 +14,7 @@ import torch
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
-            for name in ("paged_decode.cpp", "fused_ops.cpp", "prefill_attention.cpp", "gemv.cpp")]
+            for name in ("paged_decode.cpp", "fused_ops.cpp", "prefill_attention.cpp", "gemv.cpp", "decode_layers.cpp")]
 # no -ffast-math: the fused ops must round like the torch reference
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
 

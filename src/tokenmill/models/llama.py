@@ -5,14 +5,14 @@ q/k/v and gate/up projections are fused at load time (one matmul each)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, write_kv
-from tokenmill.layers.linear import Embedding, Linear
+from tokenmill.layers.linear import GEMV_MAX_ROWS, Embedding, Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.arch import ArchConfig
@@ -100,21 +100,51 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dtype)
+        self.ops: Any = None
+        self._layer_weights: list[torch.Tensor] | None = None  # for ops.decode_layers, when it applies
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if (self._layer_weights is not None and h.shape[0] <= GEMV_MAX_ROWS and meta.num_decodes == h.shape[0]
+                and "decode_tables" in meta.extra):
+            # a pure-decode step of a few rows: the same kernels as the loop below, called from C++
+            cfg = self.cfg
+            return self.ops.decode_layers(
+                h, positions, self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self.norm.weight,
+                kv_caches, meta.slot_mapping, meta.extra["decode_tables"], meta.extra["decode_lens"],
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+                meta.sliding_window or 0)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, backend)
         h, _ = self.norm(h, residual)
         return h
 
-    def enable_fused_ops(self, ops: Any) -> None:
-        """Route bf16 norms, rotary, SiLU-and-mul and KV-cache writes through fused C++ kernels."""
+    def enable_fused_ops(self, ops: Any, decode_layers: bool = True) -> None:
+        """Route bf16 norms, rotary, SiLU-and-mul and KV-cache writes through fused C++ kernels; and,
+        where every projection takes the packed GEMV, run pure-decode steps of up to GEMV_MAX_ROWS
+        rows through ops.decode_layers (the whole layer loop in one call)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, Attention)):
                 module.ops = ops
+        self.ops = ops
+        self._layer_weights = self._decode_layer_weights() if decode_layers else None
+
+    def _decode_layer_weights(self) -> list[torch.Tensor] | None:
+        cfg = self.cfg
+        if cfg.qk_norm or self.rotary.rot_dim != cfg.head_dim or self.rotary.cos_cache.dtype != torch.bfloat16:
+            return None
+        weights: list[torch.Tensor] = []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, PackedLinear) and m.gemv_ops is not None for m in linears):
+                return None
+            qkv_bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else self.norm.weight.new_empty(0)
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, qkv_bias, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        return weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
