@@ -106,15 +106,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        if (self._layer_weights is not None and h.shape[0] <= GEMV_MAX_ROWS and meta.num_decodes == h.shape[0]
-                and "decode_tables" in meta.extra):
-            # a pure-decode step of a few rows: the same kernels as the loop below, called from C++
+        if self._layer_weights is not None and meta.num_decodes == h.shape[0] and "decode_tables" in meta.extra:
+            # a pure-decode step: the same kernels as the loop below, called from C++
             cfg = self.cfg
             return self.ops.decode_layers(
                 h, positions, self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self.norm.weight,
                 kv_caches, meta.slot_mapping, meta.extra["decode_tables"], meta.extra["decode_lens"],
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-                meta.sliding_window or 0)
+                meta.sliding_window or 0, GEMV_MAX_ROWS)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, backend)
@@ -123,8 +122,8 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_fused_ops(self, ops: Any, decode_layers: bool = True) -> None:
         """Route bf16 norms, rotary, SiLU-and-mul and KV-cache writes through fused C++ kernels; and,
-        where every projection takes the packed GEMV, run pure-decode steps of up to GEMV_MAX_ROWS
-        rows through ops.decode_layers (the whole layer loop in one call)."""
+        where every projection is packed (and takes the GEMV for up to GEMV_MAX_ROWS rows), run
+        pure-decode steps through ops.decode_layers (the whole layer loop in one call)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, Attention)):
                 module.ops = ops

@@ -1,11 +1,11 @@
-// The decoder layers of a Llama-family model for a pure-decode step of a few rows, in one call.
+// The decoder layers of a Llama-family model for a pure-decode step, in one call.
 //
 // At batch 1 a step's weights stream at memory speed in the GEMV, but Python spent ~1 ms per step
 // between the ~90 kernel calls of the layer loop (module calls, views, dispatch): about a sixth of
 // the step. This op runs the same loop in C++ and calls the very same kernels through the
-// dispatcher (rms_norm, packed_gemv, rotary_, write_kv_, paged_decode, silu_and_mul), in the same
-// order on the same tensors, so its output is bitwise the output of the Python loop; the Python
-// loop stays the reference it is tested against.
+// dispatcher (rms_norm, packed_gemv or oneDNN's packed linear as PackedLinear picks them, rotary_,
+// write_kv_, paged_decode, silu_and_mul), in the same order on the same tensors, so its output is
+// bitwise the output of the Python loop; the Python loop stays the reference it is tested against.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -39,6 +39,17 @@ struct Ops {
       find_op<at::Tensor(const at::Tensor&)>("tokenmill_cpu::silu_and_mul");
 };
 
+// PackedLinear.forward's choice: tokenmill's GEMV up to gemv_rows rows, else oneDNN on the same packed weight
+at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, int64_t gemv_rows) {
+  if (x.size(0) <= gemv_rows) return op.gemv.call(x, w, bias);
+  static const c10::OperatorHandle onednn =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, bias, c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(),
+                          c10::string_view("")};
+  onednn.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
 const Ops& ops() {
   static const Ops instance;  // looked up on first use, after every kernel file has registered
   return instance;
@@ -54,7 +65,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
                          const at::Tensor& sin, at::TensorList weights, const at::Tensor& final_norm,
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         double eps, double scale, int64_t window) {
+                         double eps, double scale, int64_t window, int64_t gemv_rows) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER, "decode_layers: ", PER_LAYER,
               " weights per layer expected");
@@ -71,7 +82,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     } else {
       x = op.rms_norm.call(h, w[0], eps, OptTensor(residual));
     }
-    const at::Tensor qkv = op.gemv.call(x, w[1], optional(w[2]));
+    const at::Tensor qkv = linear(op, x, w[1], optional(w[2]), gemv_rows);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
@@ -80,9 +91,9 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     at::Tensor k_cache = kv_caches[l].select(0, 0), v_cache = kv_caches[l].select(0, 1);
     op.write_kv.call(k, v, k_cache, v_cache, slot_mapping);
     const at::Tensor o = op.decode.call(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-    h = op.gemv.call(o.view({t, q_size}), w[3], OptTensor());
+    h = linear(op, o.view({t, q_size}), w[3], OptTensor(), gemv_rows);
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
-    h = op.gemv.call(op.silu_and_mul.call(op.gemv.call(x, w[5], OptTensor())), w[6], OptTensor());
+    h = linear(op, op.silu_and_mul.call(linear(op, x, w[5], OptTensor(), gemv_rows)), w[6], OptTensor(), gemv_rows);
   }
   return op.rms_norm.call(h, final_norm, eps, OptTensor(residual));
 }
@@ -92,7 +103,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor final_norm, "
         "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
-        "int num_kv_heads, int head_dim, float eps, float scale, int window) -> Tensor");
+        "int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
