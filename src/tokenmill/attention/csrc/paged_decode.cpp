@@ -246,15 +246,19 @@ inline void heads_scores(const uint32_t* qd, const __m512i* kt, float* s) {
 // Raw scores of a GQA group's heads against the tile's keys (rows k + j * row_len, j < n) into
 // s[g * TILE + j]: the K slice is transposed into pairs of dims per key (lane j = key j), so each
 // vdpbf16ps with a broadcast pair of q gives 16 keys' partial scores. qd: the heads' q as bf16 pairs.
+// Prefetches: pf (near) and far of the K rows with the first chunk's loads, far_v (the V rows of the far
+// slice) with the last chunk's: issuing the far V prefetches here rather than in group_pv spreads the
+// long DRAM misses more evenly over a slice's work (measured ~7-9% faster on scattered blocks).
 template <int64_t NV, bool FULL>
 inline void group_scores(const uint32_t* qd, const at::BFloat16* k, int64_t row_len, int64_t n, int64_t group,
-                         float* s, const at::BFloat16* pf, const at::BFloat16* far) {
+                         float* s, const at::BFloat16* pf, const at::BFloat16* far, const at::BFloat16* far_v) {
   __m512i kt[NV * 16];
   for (int64_t c = 0; c < NV; ++c) {
     for (int64_t j = 0; j < TILE; ++j) {
       if (!FULL && j >= n) { kt[c * 16 + j] = _mm512_setzero_si512(); continue; }
       if (pf && c == 0) prefetch_row<NV, NEAR>(pf + j * row_len);
       if (far && c == 0) prefetch_row<NV, FAR>(far + j * row_len);
+      if (far_v && c == NV - 1) prefetch_row<NV, FAR>(far_v + j * row_len);
       kt[c * 16 + j] = _mm512_loadu_si512(k + j * row_len + c * 32);
     }
     transpose16(kt + c * 16);
@@ -431,14 +435,14 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
             const at::BFloat16 *kn = near >= 0 ? kc + near : nullptr, *vn = near >= 0 ? vc + near : nullptr;
             const at::BFloat16 *kf = far >= 0 ? kc + far : nullptr, *vf = far >= 0 ? vc + far : nullptr;
             const uint32_t* qd = reinterpret_cast<const uint32_t*>(qv.data()) + kh * group * NV * 16;
-            if (n == TILE) group_scores<NV, true>(qd, kc + off, row_len, n, group, p.data(), kn, kf);
-            else group_scores<NV, false>(qd, kc + off, row_len, n, group, p.data(), kn, kf);
+            if (n == TILE) group_scores<NV, true>(qd, kc + off, row_len, n, group, p.data(), kn, kf, vf);
+            else group_scores<NV, false>(qd, kc + off, row_len, n, group, p.data(), kn, kf, vf);
             for (int64_t g = 0; g < group; ++g) {
               const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(&p[g * TILE]), _mm512_set1_ps(scale));
               const int64_t h = kh * group + g;
               _mm512_storeu_ps(&p[g * TILE], tile_softmax(s, valid, m[h], lv[h], corr[g]));
             }
-            group_pv<DIM>(acc.data() + kh * group * DIM, p.data(), corr.data(), vc + off, row_len, n, group, vn, vf);
+            group_pv<DIM>(acc.data() + kh * group * DIM, p.data(), corr.data(), vc + off, row_len, n, group, vn, nullptr);
           }
         }
         for (int64_t i = 0; i + 1 < R; ++i) ring[i] = ring[i + 1];
