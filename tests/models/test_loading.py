@@ -88,3 +88,18 @@ def test_kv_pool_from_memory_budget(model_dirs: dict[str, str]) -> None:
 def _raw(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f)
+
+
+def test_rotary_tables_follow_the_model_device(llama_dir: str) -> None:
+    """The rope tables are computed on the CPU for start-up speed; they must still end on the
+    model's device (a CUDA model once kept them on the CPU). The meta device stands in for CUDA."""
+    import torch
+
+    from tokenmill.models.loader import _init_buffers
+    from tokenmill.models.llama import LlamaForCausalLM
+
+    cfg = load_arch_config(llama_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, torch.float32)
+    _init_buffers(model, cfg, torch.float32, torch.device("meta"))
+    assert model.rotary.cos_cache.device.type == "meta" and model.rotary.sin_cache.device.type == "meta"

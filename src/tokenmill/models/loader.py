@@ -162,5 +162,5 @@ def _expected_shards(model: nn.Module, cfg: ArchConfig) -> list[tuple[str, str |
 def _init_buffers(model: nn.Module, cfg: ArchConfig, dtype: torch.dtype, device: torch.device) -> None:
     from tokenmill.layers.rotary import RotaryEmbedding
 
-    with torch.device(device):
-        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dtype)
+    # the tables are computed on the CPU (see rotary.inv_frequencies), then moved
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dtype).to(device)
