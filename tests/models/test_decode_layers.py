@@ -1,4 +1,4 @@
-"""ops.decode_layers (the layer loop of a pure-decode step in one C++ call) against the Python
+"""(CPU) ops.decode_layers (the layer loop of a pure-decode step in one C++ call) against the Python
 layer loop it replaces: it calls the same kernels on the same tensors, so tokens and logprobs must
 be bitwise equal, for every architecture it takes (Llama, Qwen2's qkv bias, Mistral's window)."""
 
@@ -11,10 +11,11 @@ import pytest
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.layers.linear import gemv_layout_ok
 
 OPS = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_packed_gemv(),
-                                reason="needs the C++ kernels with the AVX512-BF16 GEMV")
+pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_packed_gemv() or not gemv_layout_ok(OPS),
+                                reason="needs the C++ kernels with the AVX512-BF16 GEMV on oneDNN's AB16b64a2b")
 
 
 class CountingOps:
@@ -28,7 +29,7 @@ class CountingOps:
 
 
 def _run(model_dir: str, fused: bool, num_prompts: int) -> tuple[list[Any], int]:
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="4MiB")
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
     model = llm.engine.core.executor.runner.model
     model.enable_fused_ops(OPS, decode_layers=fused)
     counter = CountingOps(OPS)
@@ -50,7 +51,7 @@ def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name:
 
 
 def test_decode_layers_is_off_where_it_does_not_apply(model_dirs: dict[str, str]) -> None:
-    llm = LLM(model_dirs["qwen3-qknorm"], dtype="bfloat16", kv_cache_memory="4MiB")  # q/k norms: not fused
+    llm = LLM(model_dirs["qwen3-qknorm"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")  # q/k norms: not fused
     assert llm.engine.core.executor.runner.model._layer_weights is None
-    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="float32", kv_cache_memory="4MiB")  # no packed bf16 GEMV
+    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="float32", kv_cache_memory="4MiB", device="cpu")  # no packed bf16 GEMV
     assert llm.engine.core.executor.runner.model._layer_weights is None

@@ -70,6 +70,8 @@ def gemv_layout_ok(ops: Any) -> bool:
         lin.weight.copy_(torch.randn(out_features, in_features, generator=gen))
         lin.bias.copy_(torch.randn(out_features, generator=gen))
         packed = PackedLinear(lin)
+        if not _is_ab16b64a2b(packed.weight, out_features, in_features):
+            return False
         for rows in (1, GEMV_MAX_ROWS):
             x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
             expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
@@ -78,6 +80,15 @@ def gemv_layout_ok(ops: Any) -> bool:
             if not torch.allclose(got, expected, rtol=2**-7, atol=1e-2 * float(expected.abs().max())):
                 return False
     return True
+
+
+def _is_ab16b64a2b(weight: torch.Tensor, out_features: int, in_features: int) -> bool:
+    """Whether the packed buffer has the size of that layout (N padded to 64, K to 32). oneDNN picks
+    other layouts elsewhere (an AMX Xeon pads N to 32), and the GEMV must not even be called then."""
+    if not weight.is_mkldnn:
+        return False
+    padded = -(-out_features // 64) * 64 * -(-in_features // 32) * 32
+    return int(torch.ops.mkldnn._nbytes(weight)) == padded * 2
 
 
 def pack_linears(model: nn.Module, ops: Any = None) -> int:

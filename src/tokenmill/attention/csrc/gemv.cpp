@@ -93,6 +93,7 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
               "packed_gemv: x must be a contiguous 2-D bfloat16 tensor");
   TORCH_CHECK(x.size(0) <= kMaxRows, "packed_gemv: at most ", kMaxRows, " rows, got ", x.size(0));
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "packed_gemv: weight and x disagree on K");
+  TORCH_CHECK(weight.is_mkldnn(), "packed_gemv: the weight must be packed by mkldnn::_reorder_linear_weight");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const int64_t Np = (N + kBlockN - 1) / kBlockN * kBlockN, Kp = (K + kBlockK - 1) / kBlockK * kBlockK;
   const uint16_t* w = packed_data(weight, Np * Kp * 2);
