@@ -61,19 +61,20 @@ def keep_freed_memory() -> bool:
 
 class BackgroundPopulate:
     """Faults a lazily mapped KV pool in from a background thread while the engine is idle, lowest
-    block ids first (the pool hands those out first), so that first writes in the hot loop stop
-    paying page faults (0.5 ms per KV write on a fresh page; ~4% of an offline run here).
+    block ids first (the pool hands those out first), so that KV writes stop paying first-touch
+    page faults (0.5 ms per KV write on a fresh page, ~4% of an offline run here) once the engine
+    has had idle time; a run started right after start-up still pays them for the pages it uses.
 
     Idle only: on this VM a first touch costs ~1 s per GiB of kernel time, and populating beside
-    a running step slowed the step's matmuls up to 2x. So the thread waits while steps run
-    (`paused()` wraps each) and works during model loading and between requests. It holds
-    no GIL while the kernel populates (ctypes releases it). `kv` is contiguous with the block
-    index at `block_dim`. On a non-Linux OS or a kernel before 5.14 it does nothing."""
+    a running step slowed the step's matmuls up to 2x; beside start-up it cost `tokenmill serve`
+    0.2-0.3 s to its first token. So the thread begins when the first step is over and then waits
+    while steps run (`paused()` wraps each): it works between requests. It holds no GIL while
+    the kernel populates (ctypes releases it). `kv` is contiguous with the block index at
+    `block_dim`. On a non-Linux OS or a kernel before 5.14 it does nothing."""
 
     def __init__(self, kv: torch.Tensor, block_dim: int, chunk_bytes: int = 2 << 20, quiet_s: float = 0.05) -> None:
         self._quiet_s = quiet_s
         self._busy_until = 0.0
-        self._stop = threading.Event()
         self.thread: threading.Thread | None = None
         madvise = _libc_function("madvise")
         if madvise is None or kv.device.type != "cpu" or not kv.is_contiguous() or kv.numel() == 0:
@@ -83,16 +84,14 @@ class BackgroundPopulate:
         region_bytes = kv[(0,) * block_dim].numel() * kv.element_size()
 
         def run() -> None:  # the closure holds kv, so the mapping outlives the engine until done
-            with contextlib.suppress(OSError, AttributeError):  # lowest priority: start-up comes first
+            with contextlib.suppress(OSError, AttributeError):  # lowest priority: everything else comes first
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             base = kv.data_ptr()
             for start in range(0, region_bytes, chunk_bytes):
                 length = min(chunk_bytes, region_bytes - start)
                 for r in range(num_regions):
-                    while time.monotonic() < self._busy_until and not self._stop.is_set():
-                        self._stop.wait(self._quiet_s)
-                    if self._stop.is_set():
-                        return
+                    while time.monotonic() < self._busy_until:
+                        time.sleep(self._quiet_s)
                     addr = base + r * region_bytes + start
                     lo = addr - addr % _PAGE
                     if madvise(lo, addr + length - lo, _MADV_POPULATE_WRITE) != 0:
@@ -102,7 +101,8 @@ class BackgroundPopulate:
         self.thread = threading.Thread(target=run, name="kv-populate", daemon=True)
 
     def start(self) -> BackgroundPopulate:
-        if self.thread is not None:
+        """Begin now (paused() begins it after the first step otherwise)."""
+        if self.thread is not None and self.thread.ident is None:
             self.thread.start()
         return self
 
@@ -114,9 +114,8 @@ class BackgroundPopulate:
             yield
         finally:
             self._busy_until = time.monotonic() + self._quiet_s
-
-    def stop(self) -> None:
-        self._stop.set()
+            if self.thread is not None and self.thread.ident is None:
+                self.start()
 
 
 def _libc_function(name: str) -> Any | None:

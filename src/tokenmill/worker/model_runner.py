@@ -31,18 +31,7 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
-        self.block_size = config.cache.block_size
-        self.num_blocks = self._num_blocks()
-        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
-                 self.arch.head_dim)
-        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
-        self._populate = BackgroundPopulate(self.kv_cache, block_dim=2).start()  # overlaps the weight load
-        try:
-            self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
-        except BaseException:
-            self._populate.stop()
-            raise
+        self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
         ops = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             ops = load_cpu_kernels() if config.device.cpu_kernels else None
@@ -50,6 +39,13 @@ class ModelRunner:
             if ops is not None:
                 self.model.enable_fused_ops(ops)
         self.backend = get_backend(config.attention_backend)
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
+                 self.arch.head_dim)
+        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self._populate = BackgroundPopulate(self.kv_cache, block_dim=2)  # begins after the first step
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(ops)
         self.eos_token_ids = self.arch.eos_token_ids

@@ -57,7 +57,8 @@ const Ops& ops() {
 
 constexpr int64_t PER_LAYER = 7;  // input norm, qkv, qkv bias (empty: none), o, post norm, gate_up, down
 
-OptTensor optional(const at::Tensor& t) { return t.numel() ? OptTensor(t) : OptTensor(); }
+// the qkv bias slot holds an empty tensor where the model has none
+OptTensor bias_or_none(const at::Tensor& t) { return t.numel() ? OptTensor(t) : OptTensor(); }
 
 // h: the embedded input rows [T, hidden] (bf16); it becomes the residual stream, updated in place as in
 // the Python loop. Returns the final norm of the last residual.
@@ -82,7 +83,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     } else {
       x = op.rms_norm.call(h, w[0], eps, OptTensor(residual));
     }
-    const at::Tensor qkv = linear(op, x, w[1], optional(w[2]), gemv_rows);
+    const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv_rows);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
