@@ -8,6 +8,7 @@ import mmap
 import sys
 import time
 
+import pytest
 import torch
 
 from tokenmill.worker.memory import BackgroundPopulate, keep_freed_memory, zeros_lazily
@@ -28,26 +29,32 @@ def test_keep_freed_memory_applies_on_glibc() -> None:
         keep_freed_memory()
 
 
-def test_background_populate_faults_the_pool_in_without_changing_it() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    shape = (2, 2, 300, 16, 2, 8)  # regions of 300 blocks, not page-aligned per region
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE, mincore: Linux")
+
+
+def _pool(shape: tuple[int, ...], block_dim: int, quiet_s: float = 0.05) -> tuple[torch.Tensor, BackgroundPopulate]:
+    """A lazily mapped pool and its (not yet started) populate thread, in 64 KiB chunks."""
     t = zeros_lazily(shape, torch.bfloat16, torch.device("cpu"))
+    pop = BackgroundPopulate(t, block_dim=block_dim, chunk_bytes=1 << 16, quiet_s=quiet_s)
+    assert pop.thread is not None
+    return t, pop
+
+
+@linux_only
+def test_background_populate_faults_the_pool_in_without_changing_it() -> None:
+    t, pop = _pool((2, 2, 300, 16, 2, 8), block_dim=2)  # regions of 300 blocks, not page-aligned per region
     t[1, 0, 7] = 3
     assert _resident_fraction(t) < 0.5
-    pop = BackgroundPopulate(t, block_dim=2, chunk_bytes=1 << 16).start()
-    assert pop.thread is not None
+    assert pop.start().thread is not None
     pop.thread.join(timeout=30)
     assert not pop.thread.is_alive()
     assert _resident_fraction(t) == 1.0
     assert int(t.float().sum()) == 3 * 16 * 2 * 8  # the contents are untouched
 
 
+@linux_only
 def test_background_populate_waits_while_a_step_runs() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    t = zeros_lazily((4, 2048, 16, 2, 8), torch.bfloat16, torch.device("cpu"))  # 8 MiB
-    pop = BackgroundPopulate(t, block_dim=1, chunk_bytes=1 << 16, quiet_s=0.2)
+    t, pop = _pool((4, 2048, 16, 2, 8), block_dim=1, quiet_s=0.2)  # 8 MiB
     assert pop.thread is not None
     with pop.paused():
         pop.start()
@@ -55,6 +62,18 @@ def test_background_populate_waits_while_a_step_runs() -> None:
         assert _resident_fraction(t) == 0.0
     pop.thread.join(timeout=30)
     assert _resident_fraction(t) == 1.0  # it went on once the step was over
+
+
+@linux_only
+def test_background_populate_begins_after_the_first_step() -> None:
+    t, pop = _pool((2, 2048, 16, 2, 8), block_dim=1, quiet_s=0.01)  # 4 MiB
+    assert pop.thread is not None
+    time.sleep(0.2)
+    assert pop.thread.ident is None and _resident_fraction(t) == 0.0  # nothing during start-up
+    with pop.paused():
+        pass
+    pop.thread.join(timeout=30)
+    assert _resident_fraction(t) == 1.0
 
 
 def _resident_fraction(t: torch.Tensor) -> float:
@@ -66,17 +85,3 @@ def _resident_fraction(t: torch.Tensor) -> float:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
     return sum(b & 1 for b in vec) / n
-
-
-def test_background_populate_begins_after_the_first_step() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    t = zeros_lazily((2, 2048, 16, 2, 8), torch.bfloat16, torch.device("cpu"))  # 4 MiB
-    pop = BackgroundPopulate(t, block_dim=1, chunk_bytes=1 << 16, quiet_s=0.01)
-    assert pop.thread is not None
-    time.sleep(0.2)
-    assert pop.thread.ident is None and _resident_fraction(t) == 0.0  # nothing during start-up
-    with pop.paused():
-        pass
-    pop.thread.join(timeout=30)
-    assert _resident_fraction(t) == 1.0

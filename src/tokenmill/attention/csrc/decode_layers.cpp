@@ -21,22 +21,22 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+// the kernels' C++ signatures, as registered by the other kernel files
+using T = const at::Tensor&;
+using RmsNorm = at::Tensor(T, T, double, const OptTensor&);
+using Gemv = at::Tensor(T, T, const OptTensor&);
+using Rotary = void(at::Tensor&, T, T, T);
+using WriteKv = void(T, T, at::Tensor&, at::Tensor&, T);
+using PagedDecode = at::Tensor(T, T, T, T, T, double, int64_t);
+using SiluAndMul = at::Tensor(T);
+
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, const OptTensor&)> rms_norm =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double, const OptTensor&)>("tokenmill_cpu::rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> gemv =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("tokenmill_cpu::packed_gemv");
-  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)> rotary =
-      find_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>("tokenmill_cpu::rotary_");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>
-      write_kv = find_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
-          "tokenmill_cpu::write_kv_");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double, int64_t)>
-      decode = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, double, int64_t)>("tokenmill_cpu::paged_decode");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      find_op<at::Tensor(const at::Tensor&)>("tokenmill_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
+  c10::TypedOperatorHandle<Gemv> gemv = find_op<Gemv>("tokenmill_cpu::packed_gemv");
+  c10::TypedOperatorHandle<Rotary> rotary = find_op<Rotary>("tokenmill_cpu::rotary_");
+  c10::TypedOperatorHandle<WriteKv> write_kv = find_op<WriteKv>("tokenmill_cpu::write_kv_");
+  c10::TypedOperatorHandle<PagedDecode> decode = find_op<PagedDecode>("tokenmill_cpu::paged_decode");
+  c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = find_op<SiluAndMul>("tokenmill_cpu::silu_and_mul");
 };
 
 // PackedLinear.forward's choice: tokenmill's GEMV up to gemv_rows rows, else oneDNN on the same packed weight
