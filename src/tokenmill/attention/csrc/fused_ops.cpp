@@ -144,8 +144,17 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   }
 }
 
+// argmax's order on bf16 bits as int16, 32 lanes a vector and no float conversion: a float's
+// order and equality (-0 == +0), with NaN below everything (the max skips NaN, as before).
+inline int16_t argmax_key(uint16_t h) {
+  const int16_t mag = static_cast<int16_t>(h & 0x7fff);
+  const int16_t key = (h & 0x8000) ? static_cast<int16_t>(-mag) : mag;
+  return mag > 0x7f80 ? std::numeric_limits<int16_t>::min() : key;
+}
+
 // Row-wise argmax of bf16 logits [B, V] (the first index of the maximum, as torch's argmax), for
 // greedy sampling without the float32 copy and torch's slow reduction (~1.5 ns per element here).
+// One pass of block maxima remembers the first block holding the row's max; only it is rescanned.
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_rows(x, "argmax_rows");
   const int64_t rows = x.size(0), v = x.size(1);
@@ -153,15 +162,25 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
   int64_t* op = out.data_ptr<int64_t>();
+  constexpr int64_t kBlock = 512;
+  constexpr int16_t kNaN = std::numeric_limits<int16_t>::min();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = xp + r * v;
-      float best = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : best)
-      for (int64_t i = 0; i < v; ++i) best = std::max(best, bf16_bits_to_f32(row[i]));
-      int64_t idx = 0;
-      while (idx < v - 1 && !(bf16_bits_to_f32(row[idx]) == best)) ++idx;
-      op[r] = idx;
+      int16_t best = kNaN;
+      int64_t at = 0;
+      for (int64_t b = 0; b < v; b += kBlock) {
+        const uint16_t* blk = row + b;
+        const int64_t n = std::min(kBlock, v - b);
+        int16_t m = kNaN;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, argmax_key(blk[i]));
+        if (m > best) best = m, at = b;
+      }
+      // the first index of the max, within its block; a row all NaN gives the last index, as before
+      if (best == kNaN) at = v - 1;
+      else while (argmax_key(row[at]) != best) ++at;
+      op[r] = at;
     }
   });
   return out;
