@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import random_prompts
 from tokenmill import LLM, RequestOutput, SamplingParams
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from tokenmill.sampling_params import RequestOutputKind
 
 MISTRAL_COMMON = "mistral_common==1.13.1"
@@ -86,6 +86,26 @@ def check_all_splits(tok: Any, ids: list[int]) -> int:
         assert not any("\ufffd" in d for d in deltas)
         checked += 1
     return checked
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_fast_decoder_is_tokenizer_decode(bpe: Any, sentencepiece: Any, skip: bool) -> None:
+    """The backend shortcut gives tokenizer.decode's text, special tokens included or skipped; a
+    tokenizer that cleans up spaces keeps its own decode."""
+    for tok in (bpe, sentencepiece):
+        assert not tok.clean_up_tokenization_spaces  # so the shortcut is the one under test
+        ids = [tok.bos_token_id or 0] + tok(" ".join(TEXTS), add_special_tokens=False).input_ids
+        for n in (1, 2, 7, len(ids)):
+            assert fast_decoder(tok, skip)(ids[:n]) == tok.decode(ids[:n], skip_special_tokens=skip)
+
+    class CleansUp:
+        clean_up_tokenization_spaces = True
+        _tokenizer = bpe._tokenizer
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return f"own decode {len(ids)}"
+
+    assert fast_decoder(CleansUp(), skip)([1, 2]) == "own decode 2"
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -4,15 +4,29 @@ text that is complete (no trailing U+FFFD replacement character)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 _CONTEXT = 5  # ids before the read offset decoded with the window, for leading spaces
+
+
+def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text as tokenizer.decode gives it. For a fast tokenizer that does no clean-up of
+    spaces, transformers' decode is the Rust backend's decode behind ~2 us of Python argument
+    handling per call, and a streamed token costs two calls (about 0.2 s of a 256-request offline
+    run of the demo model); call the backend directly then."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    if backend is not None and hasattr(backend, "decode") and not cleans_up:
+        return lambda ids: str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = fast_decoder(tokenizer, skip_special_tokens)
         self.ids = list(prompt_token_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -26,9 +40,6 @@ class IncrementalDetokenizer:
             new_text += self._step()
         self.text += new_text
         return new_text
-
-    def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def _step(self) -> str:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
