@@ -32,7 +32,7 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     attention reads of never-written slots must not meet NaN garbage.)
 
     The mapping asks for transparent huge pages. That is a trade, measured on this VM with 256
-    requests: decode attention reads the scattered KV blocks 5-9% faster from 2 MiB pages (4.5-4.6
+    requests: decode attention reads the scattered KV blocks 5-11% faster from 2 MiB pages (4.5-4.6
     s against 4.9-5.0 s per run: fewer TLB misses), but a first touch of guest memory that was
     never backed costs 1.7-2.8 s per GiB in 2 MiB pages against 0.4-0.6 s in 4 KiB pages, so the
     first offline run right after start-up pays ~1.8 s more in KV writes (and came out even, 41.2

@@ -40,7 +40,7 @@ const uint16_t* packed_data(const at::Tensor& w, int64_t expected_bytes) {
 // one block of 64 outputs over all of K (Kp, a multiple of 32) for M rows of x. The block is one
 // contiguous run of memory, and the hardware prefetcher alone streams it fastest: software
 // prefetches 2-16 KiB ahead (into L1 or L2) were 3-7% slower at one row on this Zen 5 (all the
-// projections of the 100M and 1.1B models in turn, 12-25 interleaved repetitions) and even at four
+// projections of the 100M and 1.1B models in turn, 12-25 interleaved repetitions) and no faster at four.
 template <int M>
 inline void block_dot(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, __m512 acc[M][4]) {
   for (int m = 0; m < M; ++m)
