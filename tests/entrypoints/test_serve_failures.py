@@ -78,3 +78,15 @@ def test_killed_core_turns_health_503(server: RemoteServer) -> None:
 
 def test_stop_with_dead_core_is_clean(server: RemoteServer) -> None:
     assert server.stop() is not None
+
+
+def test_sigterm_to_the_whole_process_group_stops_promptly(llama_dir: str) -> None:
+    """What systemd (KillMode=control-group) or `kill -TERM -PGID` does: the core gets SIGTERM with
+    the API process and exits first; the API process's shutdown must not wait on it forever."""
+    srv = RemoteServer(llama_dir)
+    try:
+        os.killpg(srv.proc.pid, signal.SIGTERM)  # the server runs in its own session
+        srv.proc.wait(20)
+        assert not srv.core_alive()
+    finally:
+        srv.stop()

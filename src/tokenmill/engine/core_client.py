@@ -4,6 +4,7 @@ two ZMQ sockets, and notices the core's death through its process sentinel."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -47,8 +48,9 @@ class CoreClient:
         self.tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
         input_addr = f"ipc://{os.path.join(self.tmpdir, 'input')}"
         output_addr = f"ipc://{os.path.join(self.tmpdir, 'output')}"
-        # sends never wait (no high-water mark), so the input side is a plain socket; only receiving
-        # is awaited
+        # sends never wait: no high-water mark, and NOBLOCK, because a PUSH socket whose peer is gone
+        # (a core that just died, or got the SIGTERM a whole process group gets) blocks a send
+        # forever, event loop and all; so the input side is a plain socket, and only receiving is awaited
         self.sync_ctx = zmq.Context()
         self.input = self.sync_ctx.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)
@@ -110,7 +112,10 @@ class CoreClient:
     def _send(self, kind: bytes, msg: msgspec.Struct | list[EngineCoreRequest]) -> None:
         if self.dead is not None:
             raise self.dead
-        self.input.send_multipart([kind, encode(msg)])
+        try:
+            self.input.send_multipart([kind, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:  # no core on the other end: it died before its sentinel was seen
+            raise EngineDeadError("the engine core is not reachable") from None
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """One message, so the n children of a request reach the same step."""
@@ -150,8 +155,9 @@ class CoreClient:
         self.dead = self.dead or EngineDeadError("the engine has shut down")
         try:
             if self.proc.is_alive() and self.ready:  # a core still loading cannot read; stop it at once
-                self.input.send_multipart([SHUTDOWN, b""])
-                self.proc.join(timeout)
+                with contextlib.suppress(zmq.Again):  # no peer: the core is exiting already
+                    self.input.send_multipart([SHUTDOWN, b""], zmq.NOBLOCK)
+                    self.proc.join(timeout)
             if self.proc.is_alive():
                 self.proc.terminate()
                 self.proc.join(2)
