@@ -4,7 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python tools/profile_offline.py MODEL WORKLOAD.jsonl [--num N] [--threads 1]
 
-WORKLOAD is a `make_workload.py` file (`prompt_token_ids`, `max_tokens`). One untimed run first
+WORKLOAD is a `make_workload.py` file, read as `bench throughput --dataset` reads it. One untimed run first
 faults the KV pool in and warms everything up; the prefix cache is emptied, and the second run
 is measured as `tokenmill bench throughput` measures its later runs (greedy, EOS ignored). Prints
 the top kernels by self time under the torch profiler, then, from a third run without the
@@ -15,7 +15,6 @@ the sampling, core.step holds schedule, execute_model and update_from_output).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,7 +22,9 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from tokenmill.bench.throughput import generate_inputs
+from tokenmill.bench.workload import load_jsonl
 
 
 def timed(totals: dict[str, float], obj: Any, name: str, label: str) -> None:
@@ -49,10 +50,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=16, help="kernels to list")
     args = p.parse_args()
 
-    with open(args.workload) as f:
-        reqs = [json.loads(line) for line in f][: args.num]
-    prompts: list[Any] = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in reqs]
+    prompts, params = generate_inputs(load_jsonl(args.workload)[: args.num], ignore_eos=True)
     llm = LLM(model=args.model, num_threads=args.threads)
 
     def run() -> tuple[float, int]:

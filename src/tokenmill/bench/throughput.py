@@ -37,9 +37,18 @@ def workload(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
                            args.vocab_high or vocab, args.workload_seed, args.shared_prefix_len)
 
 
+def generate_inputs(reqs: list[BenchRequest], ignore_eos: bool) -> tuple[list[Any], list[Any]]:
+    """LLM.generate's prompts and greedy SamplingParams (each request's own max_tokens) for a workload."""
+    from tokenmill.sampling_params import SamplingParams
+
+    prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} if r.prompt_token_ids else r.prompt
+                          for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=ignore_eos) for r in reqs]
+    return prompts, params
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling_params import SamplingParams
 
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()
@@ -48,10 +57,7 @@ def run(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     config = llm.engine.config
     reqs = workload(args, config.model.arch.vocab_size)
-    prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} if r.prompt_token_ids else r.prompt
-                          for r in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=args.ignore_eos)
-              for r in reqs]
+    prompts, params = generate_inputs(reqs, args.ignore_eos)
     llm.generate(prompts[:16], [p.clone(max_tokens=min(16, p.max_tokens or 16)) for p in params[:16]],
                  use_tqdm=False)
     walls, prompt_tokens, output_tokens = [], 0, 0
