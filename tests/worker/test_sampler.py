@@ -14,7 +14,7 @@ from tests.conftest import random_prompts
 from tests.fixtures import EOS, VOCAB, hf_logprobs
 from tokenmill import LLM, SamplingParams
 from tokenmill.outputs import PositionLogprobs
-from tokenmill.worker.sampler import Sampler, SamplingRow, apply_logit_processors
+from tokenmill.worker.sampler import Sampler, SamplingRow, apply_logit_processors, is_plain_greedy
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005]  # sorted, so token i has rank i + 1
 LOGITS = [math.log(p) for p in PROBS]
@@ -289,3 +289,43 @@ def test_bf16_argmax_fast_path_matches_torch() -> None:
     # anything beyond plain greedy (here logprobs) takes the reference path
     rows[0] = row(SamplingParams(temperature=0.0, logprobs=2))
     assert Sampler(ops)(logits, rows).logprobs[0] is not None
+
+
+def test_plain_greedy_from_matches_what_plain_greedy_means() -> None:
+    def plain(p: SamplingParams, n_out: int) -> bool:  # greedy with nothing that changes or reports logits
+        return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and n_out >= p.min_tokens)
+
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_tokens=2),
+                   SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=0),
+                   SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                   SamplingParams(temperature=0.0, presence_penalty=0.5, min_tokens=1)):
+        for n_out in range(4):
+            assert is_plain_greedy(row(params, [5, 6, 7], [8] * n_out)) == plain(params, n_out), (params, n_out)
+
+
+def test_runner_samples_by_argmax_alone_only_while_every_row_is_plain_greedy(
+        llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill.attention.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    calls: list[int] = []
+    full_sampler = Sampler.__call__
+
+    def spy(self: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> Any:
+        calls.append(len(rows))
+        return full_sampler(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "__call__", spy)
+    llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory="16MiB", seed=0)
+    prompts = random_prompts(2, 8, 8, seed=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(prompts, greedy, use_tqdm=False)
+    assert calls == []  # every step by argmax alone
+    # min_tokens masks EOS for the first 3 tokens: those steps (and only those) need the full sampler
+    mixed = llm.generate(prompts, [greedy, greedy.clone(min_tokens=3)], use_tqdm=False)
+    assert calls == [2, 2, 2]
+    # ignore_eos: masking changes nothing, so the tokens are those of the argmax path
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in plain]

@@ -59,6 +59,8 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        if need <= 0 and not computed_blocks:  # most decode steps: the last block has room
+            return []
         available = self.pool.num_free_blocks - self.pool.count_in_free(computed_blocks)
         if need > available:
             if not blocks:
@@ -79,10 +81,12 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            request.num_computed_tokens)
         start = self._num_cached.get(request.request_id, 0)
         end = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if end <= start:  # no block filled up since the last call (most decode steps); hashes can wait
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.num_computed_tokens)
         tokens = request.all_token_ids
         for i in range(start, end):
             s = i * self.block_size

@@ -3,6 +3,7 @@ SchedulerOutput (decodes first, then prefill chunks)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.sampler import plain_greedy_from
 
 
 @dataclass
@@ -21,6 +23,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    greedy_from: float = math.inf  # sampler.plain_greedy_from: the length from which argmax alone samples
 
 
 @dataclass
@@ -35,6 +38,7 @@ class StepBatch:
     num_decodes: int
     sample_req_ids: list[str]  # requests whose chunk reaches their last token
     logits_indices: list[int]  # flat-batch rows whose logits are sampled (same order)
+    sample_positions: list[int]  # their places in req_ids (same order)
     prompt_lp_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # rid -> (row0, n, pos0)
 
 
@@ -48,7 +52,8 @@ def update_states(states: dict[str, CachedRequestState], so: SchedulerOutput, de
             gen.manual_seed(new.sampling_params.seed)
         states[new.req_id] = CachedRequestState(
             new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
-            list(new.block_ids), new.num_computed_tokens, gen)
+            list(new.block_ids), new.num_computed_tokens, gen,
+            plain_greedy_from(new.sampling_params, len(new.prompt_token_ids)))
     for cached in so.scheduled_cached_reqs:
         st = states[cached.req_id]
         if cached.resumed_from_preemption:
@@ -68,7 +73,7 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
     slots: list[np.ndarray] = [np.empty(num_decodes, dtype=np.int64)]
     dec_ids, dec_pos, dec_slots = [], [], []
     qsl = [0]
-    seq_lens, tables, sample_ids, logits_idx = [], [], [], []
+    seq_lens, tables, sample_ids, logits_idx, sample_pos = [], [], [], [], []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
     for rid in order:
         st = states[rid]
@@ -92,10 +97,11 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         if start + n == len(st.token_ids):
             sample_ids.append(rid)
             logits_idx.append(row0 + n - 1)
+            sample_pos.append(len(qsl) - 2)
         if st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
             # position p's logits score prompt token p + 1
             count = min(start + n, st.num_prompt_tokens - 1) - start
             prompt_rows[rid] = (row0, count, start + 1)
     ids[0][:], pos[0][:], slots[0][:] = dec_ids, dec_pos, dec_slots
     return StepBatch(order, np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), qsl,
-                     seq_lens, tables, num_decodes, sample_ids, logits_idx, prompt_rows)
+                     seq_lens, tables, num_decodes, sample_ids, logits_idx, sample_pos, prompt_rows)

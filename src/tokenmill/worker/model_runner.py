@@ -16,7 +16,7 @@ from tokenmill.layers.linear import pack_linears
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
 from tokenmill.worker.memory import BackgroundPopulate, keep_freed_memory, zeros_lazily
-from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplingRow, topn_logprobs
+from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplerOutput, SamplingRow, topn_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -86,18 +86,19 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput) -> None:
         idx = torch.tensor(step.logits_indices, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
-        rows = []
-        for rid in step.sample_req_ids:
-            st = self.states[rid]
-            rows.append(SamplingRow(st.sampling_params, st.token_ids, st.num_prompt_tokens, self.eos_token_ids,
-                                    st.generator))
-        sampled = self.sampler(logits, rows)
-        position = {rid: i for i, rid in enumerate(step.req_ids)}
-        for k, (rid, tok) in enumerate(zip(step.sample_req_ids, sampled.token_ids, strict=False)):
-            self.states[rid].token_ids.append(tok)
-            out.sampled_token_ids[position[rid]] = [tok]
+        states = [self.states[rid] for rid in step.sample_req_ids]
+        # the common case, every row plain greedy, skips building the sampler's rows
+        ids = self.sampler.argmax(logits) if all(len(st.token_ids) >= st.greedy_from for st in states) else None
+        if ids is not None:
+            sampled = SamplerOutput(ids)
+        else:
+            sampled = self.sampler(logits, [SamplingRow(st.sampling_params, st.token_ids, st.num_prompt_tokens,
+                                                        self.eos_token_ids, st.generator) for st in states])
+        for k, (st, pos, tok) in enumerate(zip(states, step.sample_positions, sampled.token_ids, strict=False)):
+            st.token_ids.append(tok)
+            out.sampled_token_ids[pos] = [tok]
             if sampled.logprobs and sampled.logprobs[k] is not None:
-                out.logprobs[rid] = [sampled.logprobs[k]]  # type: ignore[list-item]
+                out.logprobs[st.req_id] = [sampled.logprobs[k]]  # type: ignore[list-item]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, pos0: int) -> list[LogprobEntry]:
         st = self.states[rid]

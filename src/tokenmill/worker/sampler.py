@@ -7,6 +7,7 @@ draws exactly one [vocab] vector from its own generator per step, whatever else 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,21 +102,33 @@ def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[
     return out
 
 
+def plain_greedy_from(params: SamplingParams, num_prompt_tokens: int) -> float:
+    """The sequence length (prompt + outputs) from which sampling is plain greedy: greedy with
+    nothing that changes or reports the logits, once min_tokens is reached; inf if never."""
+    p = params
+    if p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties:
+        return num_prompt_tokens + p.min_tokens
+    return math.inf
+
+
 def is_plain_greedy(row: SamplingRow) -> bool:
-    """Greedy with nothing that changes or reports the logits."""
-    p = row.params
-    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties
-            and row.num_output_tokens >= p.min_tokens)
+    return len(row.token_ids) >= plain_greedy_from(row.params, row.num_prompt_tokens)
 
 
 class Sampler:
     def __init__(self, ops: Any = None) -> None:
         self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 logits
 
+    def argmax(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row's argmax by the C++ kernel (the first of equal maxima, as torch's), or None where
+        it does not apply. For rows that are all plain greedy: the caller checks that."""
+        if self.ops is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+            return self.ops.argmax_rows(logits).tolist()
+        return None
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        if (self.ops is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu"
-                and all(is_plain_greedy(r) for r in rows)):
-            return SamplerOutput(self.ops.argmax_rows(logits).tolist())
+        if all(is_plain_greedy(r) for r in rows) and (ids := self.argmax(logits)) is not None:
+            return SamplerOutput(ids)
         logits = logits.float()
         max_logprobs = max((r.params.logprobs or 0) for r in rows) if rows else 0
         want_logprobs = any(r.params.logprobs is not None for r in rows)
