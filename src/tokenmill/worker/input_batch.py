@@ -75,7 +75,7 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
     qsl = [0]
     seq_lens, tables, sample_ids, logits_idx, sample_pos = [], [], [], [], []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
-    for rid in order:
+    for i, rid in enumerate(order):
         st = states[rid]
         n = so.num_scheduled_tokens[rid]
         start = st.num_computed_tokens
@@ -97,7 +97,7 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         if start + n == len(st.token_ids):
             sample_ids.append(rid)
             logits_idx.append(row0 + n - 1)
-            sample_pos.append(len(qsl) - 2)
+            sample_pos.append(i)
         if st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
             # position p's logits score prompt token p + 1
             count = min(start + n, st.num_prompt_tokens - 1) - start
