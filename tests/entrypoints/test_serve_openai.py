@@ -205,8 +205,10 @@ def test_disconnects_free_kv_blocks(server: RemoteServer, client: openai.OpenAI)
         # a non-streaming client that gives up long before its 500 tokens can be done (the engine
         # once took more than 0.3 s for 300; it no longer does)
         body = {"model": NAME, "prompt": f"wait {i}", "max_tokens": 500, "ignore_eos": True}
+        # only the read times out: a 0.1 s connect timeout failed with ConnectTimeout under load, before
+        # the request was sent (60 connections open at once)
         with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/completions", json=body, timeout=0.1)
+            await http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as http:
