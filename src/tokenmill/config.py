@@ -46,6 +46,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # schedule step N+1 while step N runs (the engine core keeps up to two steps in flight)
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class EngineArgs:
     num_threads: int | None = None
     attention_backend: str = "auto"
     cpu_kernels: bool = True
+    async_scheduling: bool = True
 
     def create_engine_config(self) -> EngineConfig:
         arch = load_arch_config(self.model)
@@ -131,6 +134,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_model_len,
+                async_scheduling=self.async_scheduling,
             ),
             device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels),
             attention_backend=backend,

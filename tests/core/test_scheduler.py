@@ -38,10 +38,21 @@ def hash_model(tokens: Sequence[int]) -> int:
 class WorkerState:
     token_ids: list[int]
     block_ids: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int  # run so far
+    scheduled_through: int = 0  # prepared so far (ahead of num_computed_tokens with a step in flight)
+    samples_in_flight: int = 0  # prepared steps not run yet that sample a token for this request
+
+
+@dataclass
+class PreparedStep:
+    so: SchedulerOutput
+    rows: list[tuple[str, WorkerState, int, int]]  # (request id, state, start, n)
 
 
 class FakeRunner:
+    """execute() = run(prepare()); the async engine core prepares a step while the one before it
+    has not run yet, as the real runner's prepare/execute do."""
+
     def __init__(self, block_size: int, next_token: Callable[[str, list[int]], int] | None = None) -> None:
         self.block_size = block_size
         self.next_token = next_token or (lambda rid, tokens: hash_model(tokens))
@@ -50,6 +61,9 @@ class FakeRunner:
         self.outputs: list[SchedulerOutput] = []
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.run(self.prepare(so))
+
+    def prepare(self, so: SchedulerOutput) -> PreparedStep:
         self.outputs.append(so)
         for rid in so.finished_req_ids:
             assert rid in self.states, f"finished {rid} was never sent to the worker"
@@ -57,38 +71,51 @@ class FakeRunner:
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states
             self.states[new.req_id] = WorkerState(list(new.prompt_token_ids), list(new.block_ids),
-                                                  new.num_computed_tokens)
+                                                  new.num_computed_tokens, new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             st_ = self.states[cached.req_id]
             if cached.resumed_from_preemption:
                 st_.block_ids = list(cached.new_block_ids)
             else:
-                assert st_.num_computed_tokens == cached.num_computed_tokens
+                assert st_.scheduled_through == cached.num_computed_tokens
                 st_.block_ids.extend(cached.new_block_ids)
-            st_.num_computed_tokens = cached.num_computed_tokens
+            st_.scheduled_through = cached.num_computed_tokens
         scheduled = set(so.num_scheduled_tokens)
         assert {r.req_id for r in so.scheduled_new_reqs} <= scheduled
         assert {r.req_id for r in so.scheduled_cached_reqs} <= scheduled
-        req_ids, sampled = [], []
+        rows = []
         for rid, n in so.num_scheduled_tokens.items():
+            st_ = self.states[rid]
+            start = st_.scheduled_through
+            # the only input not known yet is the token the step in flight samples for this request
+            assert start + n <= len(st_.token_ids) + st_.samples_in_flight and st_.samples_in_flight <= 1
+            assert len(st_.block_ids) == -(-(start + n) // self.block_size), "block table not tight"
+            if start + n >= len(st_.token_ids) + st_.samples_in_flight:
+                st_.samples_in_flight += 1
+            st_.scheduled_through = start + n
+            rows.append((rid, st_, start, n))
+        return PreparedStep(so, rows)
+
+    def run(self, step: PreparedStep) -> ModelRunnerOutput:
+        req_ids, sampled = [], []
+        for rid, st_, start, n in step.rows:
             req_ids.append(rid)
-            sampled.append(self._run(rid, self.states[rid], n))
+            sampled.append(self._run(rid, st_, start, n))
         return ModelRunnerOutput(req_ids, sampled)
 
     def _slot(self, st_: WorkerState, p: int) -> tuple[int, int]:
         return st_.block_ids[p // self.block_size], p % self.block_size
 
-    def _run(self, rid: str, st_: WorkerState, n: int) -> list[int]:
-        start = st_.num_computed_tokens
+    def _run(self, rid: str, st_: WorkerState, start: int, n: int) -> list[int]:
         assert n >= 1 and start + n <= len(st_.token_ids)
-        assert len(st_.block_ids) == -(-(start + n) // self.block_size), "block table not tight"
         for p in range(start):  # attention reads the whole context
             assert self.memory.get(self._slot(st_, p)) == (p, st_.token_ids[p]), (rid, p)
         for p in range(start, start + n):
             self.memory[self._slot(st_, p)] = (p, st_.token_ids[p])
-        st_.num_computed_tokens += n
+        st_.num_computed_tokens = start + n
         if st_.num_computed_tokens < len(st_.token_ids):
             return []  # a prefill chunk short of the end samples nothing
+        st_.samples_in_flight -= 1
         tok = self.next_token(rid, st_.token_ids)
         st_.token_ids.append(tok)
         return [tok]

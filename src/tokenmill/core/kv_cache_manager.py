@@ -82,11 +82,13 @@ class KVCacheManager:
         if not blocks:
             return
         start = self._num_cached.get(request.request_id, 0)
-        end = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # computed (or scheduled: a later step reads them only after the step that writes them) and
+        # known: a token still being sampled has no id to hash yet
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        end = min(num_tokens // self.block_size, len(blocks))
         if end <= start:  # no block filled up since the last call (most decode steps); hashes can wait
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            request.num_computed_tokens)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_tokens)
         tokens = request.all_token_ids
         for i in range(start, end):
             s = i * self.block_size

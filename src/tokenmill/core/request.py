@@ -52,7 +52,9 @@ class Request:
         self.priority = priority
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # tokens whose KV is computed or scheduled to be
+        # tokens being sampled by scheduled steps whose output is not in yet (async scheduling: up to 2)
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first schedule; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

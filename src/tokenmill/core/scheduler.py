@@ -72,9 +72,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget,
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
                     self.max_model_len - req.num_computed_tokens)
-            if n <= 0:
+            if n <= 0 or (req.num_output_placeholders and self._ends_with_placeholders(req)):
                 i += 1
                 continue
             new_block_ids = self.kv.allocate_slots(req, n)
@@ -90,10 +90,13 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             cached_reqs.append(self._cached_data(req, new_block_ids))
+            self._advance(req, n)
             i += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a step in flight: wait for its token
+                break
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             num_computed = req.num_computed_tokens + len(computed) * self.block_size
             n = min(req.num_tokens - num_computed, budget)
@@ -115,10 +118,27 @@ class Scheduler:
                 self._seen_by_workers.add(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                                                block_ids, num_computed))
+            self._advance(req, n)
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.config.max_num_batched_tokens - budget, finished)
+
+    @staticmethod
+    def _advance(req: Request, n: int) -> None:
+        """Count the n scheduled tokens as computed now, so that the next step can be scheduled before
+        this one's output is in; a chunk that reaches the last token will sample one more."""
+        req.num_computed_tokens += n
+        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+            req.num_output_placeholders += 1
+
+    def _ends_with_placeholders(self, req: Request) -> bool:
+        """Whether the tokens in flight already take req to max_tokens or max_model_len, so that
+        another step would only compute a token to throw away."""
+        params = req.sampling_params
+        pending = req.num_output_tokens + req.num_output_placeholders
+        return (params.max_tokens is not None and pending >= params.max_tokens) or (
+            req.num_tokens + req.num_output_placeholders >= self.max_model_len)
 
     def _cached_data(self, req: Request, new_block_ids: list[int]) -> CachedRequestData:
         resumed = req.request_id in self._preempted_since_seen
@@ -148,13 +168,16 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=False))
-        for rid, n in sched.num_scheduled_tokens.items():
+        for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
-                continue
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
+                continue  # finished (or aborted) while this step ran: what it computed for req is dropped
             new_tokens = sampled.get(rid) or []
+            if new_tokens:
+                req.num_output_placeholders -= 1
+            was_running = req.status == RequestStatus.RUNNING  # else preempted while this step ran
+            if was_running:
+                self.kv.cache_full_blocks(req)
             prompt_lp = out.prompt_logprobs.get(rid)
             if not new_tokens and prompt_lp is None:
                 continue
@@ -170,7 +193,7 @@ class Scheduler:
             if req.is_finished:
                 output.finish_reason = req.status.finish_reason
                 output.stop_reason = req.stop_reason
-                self.running.remove(req)
+                (self.running if was_running else self.waiting).remove(req)
                 self._finish(req, req.status)
             outputs.append(output)
         return outputs

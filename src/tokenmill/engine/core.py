@@ -5,19 +5,22 @@ this process or in its own (core_proc)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.request import Request
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.executor.uniproc import Executor, UniProcExecutor
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        self.executor: Executor = executor if executor is not None else UniProcExecutor(config)
         num_blocks = self.executor.num_blocks
         capacity = num_blocks * config.cache.block_size
         if capacity < config.model.max_model_len:
@@ -27,6 +30,7 @@ class EngineCore:
             )
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.num_blocks = num_blocks
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
@@ -38,15 +42,40 @@ class EngineCore:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.stats(), time.time())
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs([], self.scheduler.stats(), time.time())
+        """Run one step and return its outputs. With async scheduling the next step is scheduled, its
+        inputs built and queued before this one's outputs are waited for, so the scheduler, the
+        input preparation and the caller's output processing run while the steps compute; a step
+        is scheduled with the tokens its predecessor samples as placeholders (Scheduler._advance)."""
+        if not self.config.scheduler.async_scheduling:
+            if not self.scheduler.has_unfinished_requests():
+                return EngineCoreOutputs([], self.scheduler.stats(), time.time())
+            so = self.scheduler.schedule()
+            return self._outputs(so, self.executor.execute_model(so))
+        if not self._in_flight:
+            if not self.scheduler.has_unfinished_requests():
+                return EngineCoreOutputs([], self.scheduler.stats(), time.time())
+            self._submit()
+        if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
+            self._submit()
+        so, future = self._in_flight.popleft()
+        return self._outputs(so, future.result())
+
+    def _submit(self) -> None:
         so = self.scheduler.schedule()
-        runner_out = self.executor.execute_model(so)
+        self._in_flight.append((so, self.executor.submit(so)))
+
+    def _outputs(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(so, runner_out)
         return EngineCoreOutputs(outputs, self.scheduler.stats(), time.time())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Wait for the steps in flight and stop the worker thread."""
+        while self._in_flight:
+            self._in_flight.popleft()[1].result()
+        self.executor.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

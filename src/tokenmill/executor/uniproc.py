@@ -2,8 +2,33 @@
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    """What the engine core needs of the workers."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]: ...
+
+    def shutdown(self) -> None: ...
+
+
+# While a step runs on the worker thread, the engine core's thread runs Python beside it, and the
+# step's thread needs the GIL back between its kernels. CPython hands the GIL over only every
+# "switch interval" (5 ms by default), so a kernel's return could wait that long for the other
+# thread's Python; 50 us keeps the wait short. Measured on the demo model, 256 requests: async
+# scheduling +4-7% with 10-100 us, -4% with the default 5 ms.
+_SWITCH_INTERVAL_S = 5e-5
 
 
 class UniProcExecutor:
@@ -11,6 +36,8 @@ class UniProcExecutor:
         from tokenmill.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(config)
+        self._thread: ThreadPoolExecutor | None = None
+        self._switch_interval = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -18,3 +45,19 @@ class UniProcExecutor:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
+
+    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Prepare the step's inputs here, then run it on the worker thread after the steps submitted
+        before it. The kernels release the GIL, so the caller's Python (the next schedule, output
+        processing) runs beside the step's compute."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL_S))
+        return self._thread.submit(self.runner.execute, self.runner.prepare(so))
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+            sys.setswitchinterval(self._switch_interval)

@@ -39,7 +39,16 @@ class StepBatch:
     sample_req_ids: list[str]  # requests whose chunk reaches their last token
     logits_indices: list[int]  # flat-batch rows whose logits are sampled (same order)
     sample_positions: list[int]  # their places in req_ids (same order)
+    sample_states: list[CachedRequestState]  # their states (same order)
     prompt_lp_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # rid -> (row0, n, pos0)
+    prompt_lp_states: dict[str, CachedRequestState] = field(default_factory=dict)
+    # decode rows whose input is the token the step before samples (async scheduling: not known when
+    # the step is built): (row, state, position); fill_pending_inputs sets them once that step is done
+    pending_inputs: list[tuple[int, CachedRequestState, int]] = field(default_factory=list)
+
+    def fill_pending_inputs(self) -> None:
+        for row, st, pos in self.pending_inputs:
+            self.input_ids[row] = st.token_ids[pos]
 
 
 def update_states(states: dict[str, CachedRequestState], so: SchedulerOutput, device: torch.device) -> None:
@@ -73,14 +82,20 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
     slots: list[np.ndarray] = [np.empty(num_decodes, dtype=np.int64)]
     dec_ids, dec_pos, dec_slots = [], [], []
     qsl = [0]
-    seq_lens, tables, sample_ids, logits_idx, sample_pos = [], [], [], [], []
+    seq_lens, tables, sample_ids, logits_idx, sample_pos, sample_states = [], [], [], [], [], []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
+    prompt_states: dict[str, CachedRequestState] = {}
+    pending: list[tuple[int, CachedRequestState, int]] = []
     for i, rid in enumerate(order):
         st = states[rid]
         n = so.num_scheduled_tokens[rid]
         start = st.num_computed_tokens
         if n == 1:
-            dec_ids.append(st.token_ids[start])
+            if start < len(st.token_ids):
+                dec_ids.append(st.token_ids[start])
+            else:  # being sampled by the step in flight
+                dec_ids.append(0)
+                pending.append((i, st, start))
             dec_pos.append(start)
             dec_slots.append(st.block_ids[start // block_size] * block_size + start % block_size)
         else:
@@ -93,15 +108,18 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         row0 = qsl[-1]
         qsl.append(row0 + n)
         seq_lens.append(start + n)
-        tables.append(st.block_ids)
-        if start + n == len(st.token_ids):
+        tables.append(st.block_ids)  # the next step may extend it while this one runs: the head stays
+        if start + n >= len(st.token_ids):
             sample_ids.append(rid)
             logits_idx.append(row0 + n - 1)
             sample_pos.append(i)
+            sample_states.append(st)
         if st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
             # position p's logits score prompt token p + 1
             count = min(start + n, st.num_prompt_tokens - 1) - start
             prompt_rows[rid] = (row0, count, start + 1)
+            prompt_states[rid] = st
     ids[0][:], pos[0][:], slots[0][:] = dec_ids, dec_pos, dec_slots
     return StepBatch(order, np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), qsl,
-                     seq_lens, tables, num_decodes, sample_ids, logits_idx, sample_pos, prompt_rows)
+                     seq_lens, tables, num_decodes, sample_ids, logits_idx, sample_pos, sample_states,
+                     prompt_rows, prompt_states, pending)

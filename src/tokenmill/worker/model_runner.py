@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -19,6 +20,12 @@ from tokenmill.worker.memory import BackgroundPopulate, keep_freed_memory, zeros
 from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplerOutput, SamplingRow, topn_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedStep:
+    step: StepBatch
+    meta: AttentionMetadata
 
 
 class ModelRunner:
@@ -60,33 +67,47 @@ class ModelRunner:
         return max(1, self.config.cache.kv_cache_bytes // per_block)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        with self._populate.paused():
-            return self._execute(so)
+        return self.execute(self.prepare(so))
 
-    @torch.inference_mode()
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def prepare(self, so: SchedulerOutput) -> PreparedStep | None:
+        """The step's inputs, built from the states as they are now: for async scheduling this runs while
+        the step before is still executing, so a decode row whose token that step samples is left
+        pending (StepBatch.pending_inputs) and filled in by execute(). None: nothing to run."""
         update_states(self.states, so, self.device)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+            return None
         step = build_step(self.states, so, self.block_size)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
             num_decodes=step.num_decodes, block_size=self.block_size, sliding_window=self.arch.sliding_window)
         self.backend.prepare(meta, self.device)
+        return PreparedStep(step, meta)
+
+    def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
+        """Run a prepared step; steps must execute in the order they were prepared."""
+        if prepared is None:
+            return ModelRunnerOutput([], [])
+        with self._populate.paused():
+            return self._execute(prepared.step, prepared.meta)
+
+    @torch.inference_mode()
+    def _execute(self, step: StepBatch, meta: AttentionMetadata) -> ModelRunnerOutput:
+        step.fill_pending_inputs()
         hidden = self.model(torch.from_numpy(step.input_ids).to(self.device),
                             torch.from_numpy(step.positions).to(self.device), self.kv_caches, meta, self.backend)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
         if step.sample_req_ids:
             self._sample(hidden, step, out)
         for rid, (row0, n, pos0) in step.prompt_lp_rows.items():
-            out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], rid, pos0))
+            out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n],
+                                                                    step.prompt_lp_states[rid], pos0))
         return out
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput) -> None:
         idx = torch.tensor(step.logits_indices, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
-        states = [self.states[rid] for rid in step.sample_req_ids]
+        states = step.sample_states
         # the common case, every row plain greedy, skips building the sampler's rows
         ids = self.sampler.argmax(logits) if all(len(st.token_ids) >= st.greedy_from for st in states) else None
         if ids is not None:
@@ -100,8 +121,7 @@ class ModelRunner:
             if sampled.logprobs and sampled.logprobs[k] is not None:
                 out.logprobs[st.req_id] = [sampled.logprobs[k]]  # type: ignore[list-item]
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, pos0: int) -> list[LogprobEntry]:
-        st = self.states[rid]
+    def _prompt_logprobs(self, hidden: torch.Tensor, st: CachedRequestState, pos0: int) -> list[LogprobEntry]:
         logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(st.token_ids[pos0:pos0 + hidden.shape[0]], device=self.device)
         return topn_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs or 0)

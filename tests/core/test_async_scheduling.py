@@ -1,0 +1,193 @@
+"""Async scheduling: the engine core schedules and prepares step N+1 before step N has run, with
+N's sampled tokens as placeholders. Driven through EngineCore.step with the scheduler tests' fake
+runner (shadow KV memory, hash model), whose steps run only when their output is waited for, so
+every step is prepared a step ahead, as on the real worker thread.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from collections import deque
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import cast
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.engine.core import EngineCore
+from tokenmill.sampling_params import SamplingParams
+
+from .test_scheduler import EOS, STEMS, VOCAB, FakeRunner, PreparedStep, Result
+
+
+class RunWhenAwaited(Future[ModelRunnerOutput]):
+    def __init__(self, executor: FakeExecutor) -> None:
+        super().__init__()
+        self.executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        self.executor.run_through(self)
+        return super().result(timeout)
+
+
+class FakeExecutor:
+    def __init__(self, runner: FakeRunner, num_blocks: int) -> None:
+        self.runner = runner
+        self.num_blocks = num_blocks
+        self.queue: deque[tuple[PreparedStep, RunWhenAwaited]] = deque()
+        self.max_queued = 0
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert not self.queue
+        return self.runner.execute(so)
+
+    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        future = RunWhenAwaited(self)
+        self.queue.append((self.runner.prepare(so), future))
+        self.max_queued = max(self.max_queued, len(self.queue))
+        return future
+
+    def run_through(self, future: RunWhenAwaited) -> None:
+        while not future.done():
+            step, f = self.queue.popleft()  # in the order submitted
+            f.set_result(self.runner.run(step))
+
+    def shutdown(self) -> None:
+        assert not self.queue
+
+
+def make_core(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, max_model_len: int,
+              async_scheduling: bool = True) -> tuple[EngineCore, FakeExecutor]:
+    config = SimpleNamespace(
+        scheduler=SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling),
+        cache=CacheConfig(block_size, 0, num_blocks, True), model=SimpleNamespace(max_model_len=max_model_len))
+    executor = FakeExecutor(FakeRunner(block_size, lambda rid, tokens: eos_model(tokens)), num_blocks)
+    return EngineCore(cast(EngineConfig, config), executor), executor
+
+
+def eos_model(tokens: list[int]) -> int:
+    """A hash of the whole sequence, EOS about one time in eight."""
+    h = zlib.crc32(array("q", tokens).tobytes())
+    return EOS if h % 8 == 0 else 2 + h % (VOCAB - 2)
+
+
+def reference(prompt: list[int], max_tokens: int, max_model_len: int, ignore_eos: bool) -> tuple[list[int], str]:
+    tokens, out = list(prompt), []
+    while True:
+        tok = eos_model(tokens)
+        tokens.append(tok)
+        out.append(tok)
+        if tok == EOS and not ignore_eos:
+            return out, "stop"
+        if len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out, "length"
+
+
+def request(rid: str, prompt: list[int], arrival: float, max_tokens: int, ignore_eos: bool,
+            priority: int = 0) -> EngineCoreRequest:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return EngineCoreRequest(rid, prompt, params, (EOS,), arrival, priority)
+
+
+def collect(results: dict[str, Result], outputs: list[EngineCoreOutput]) -> None:
+    for out in outputs:
+        res = results.setdefault(out.request_id, Result())
+        assert res.finish_reason is None, f"output for {out.request_id} after it finished"
+        res.token_ids.extend(out.new_token_ids)
+        res.finish_reason = out.finish_reason
+
+
+def assert_all_free(core: EngineCore) -> None:
+    sched = core.scheduler
+    assert not core.has_unfinished_requests() and not sched.requests
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks and not sched.kv.req_blocks
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[dict[str, int], list[tuple[int, list[int], int, int, bool, int | None]]]:
+    block_size = draw(st.sampled_from([2, 4]))
+    max_model_len = 24
+    cfg = dict(block_size=block_size, max_model_len=max_model_len,
+               num_blocks=draw(st.integers(max_model_len // block_size, max_model_len // block_size + 6)),
+               budget=draw(st.integers(1, 40)), max_num_seqs=draw(st.integers(1, 5)))
+    reqs = []
+    for _ in range(draw(st.integers(1, 8))):
+        stem = draw(st.sampled_from(STEMS))[:draw(st.integers(0, 12))]
+        prompt = (stem + draw(st.lists(st.integers(50, 53), max_size=8)))[:max_model_len - 1] or [7]
+        abort_at = draw(st.none() | st.integers(1, 12))  # abort this many steps after it arrives
+        reqs.append((draw(st.integers(0, 6)), prompt, draw(st.integers(1, 16)), draw(st.integers(0, 2)),
+                     draw(st.booleans()), abort_at))
+    return cfg, reqs
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads())
+def test_async_steps_give_the_synchronous_results_without_leaks(
+    workload: tuple[dict[str, int], list[tuple[int, list[int], int, int, bool, int | None]]],
+) -> None:
+    cfg, reqs = workload
+    core, executor = make_core(cfg["num_blocks"], cfg["block_size"], cfg["budget"], cfg["max_num_seqs"],
+                               cfg["max_model_len"])
+    results: dict[str, Result] = {}
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
+    aborts: dict[int, list[str]] = {}
+    aborted: set[str] = set()
+    for t in range(5000):
+        while pending and pending[0][1][0] <= t:  # requests arrive at different steps
+            i, (_, prompt, max_tokens, priority, ignore_eos, abort_at) = pending.pop(0)
+            core.add_request(request(f"r{i}", prompt, float(i), max_tokens, ignore_eos, priority))
+            if abort_at is not None:
+                aborts.setdefault(t + abort_at, []).append(f"r{i}")
+        for out in core.abort_requests(aborts.pop(t, [])).outputs:
+            aborted.add(out.request_id)
+            collect(results, [out])
+        if not pending and not core.has_unfinished_requests():
+            break
+        collect(results, core.step().outputs)
+    assert not pending
+    event(f"preempted: {core.scheduler.num_preemptions > 0}")
+    event(f"two steps in flight: {executor.max_queued == 2}")
+    for i, (_, prompt, max_tokens, _, ignore_eos, _) in enumerate(reqs):
+        rid = f"r{i}"
+        tokens, reason = reference(prompt, max_tokens, cfg["max_model_len"], ignore_eos)
+        got = results[rid].token_ids
+        if rid in aborted:  # what it got before the abort is a prefix of the full answer
+            assert results[rid].finish_reason == "abort" and tokens[:len(got)] == got
+        else:
+            assert (got, results[rid].finish_reason) == (tokens, reason)
+    assert_all_free(core)
+    core.shutdown()
+
+
+def test_no_step_is_scheduled_past_max_tokens() -> None:
+    # with its last token in flight, a request is not scheduled again: no computed token is thrown away
+    core, executor = make_core(32, 4, 64, 4, 64)
+    core.add_request(request("a", [5, 6, 7], 0.0, max_tokens=5, ignore_eos=True))
+    results: dict[str, Result] = {}
+    while core.has_unfinished_requests():
+        collect(results, core.step().outputs)
+    scheduled = [so.num_scheduled_tokens.get("a", 0) for so in executor.runner.outputs]
+    assert sum(scheduled) == 3 + 4  # the prompt, then one step per sampled token but the last
+    assert executor.max_queued == 2
+    assert results["a"].token_ids == reference([5, 6, 7], 5, 64, True)[0]
+    assert_all_free(core)
+
+
+def test_a_stop_wastes_at_most_the_step_in_flight() -> None:
+    prompt = next(p for p in ([i, i + 1] for i in range(10, 500)) if reference(p, 30, 64, False)[1] == "stop"
+                  and len(reference(p, 30, 64, False)[0]) > 2)
+    tokens, _ = reference(prompt, 30, 64, False)
+    core, executor = make_core(32, 4, 64, 4, 64)
+    core.add_request(request("a", prompt, 0.0, max_tokens=30, ignore_eos=False))
+    results: dict[str, Result] = {}
+    while core.has_unfinished_requests():
+        collect(results, core.step().outputs)
+    assert results["a"].token_ids == tokens and results["a"].finish_reason == "stop"
+    steps = [so for so in executor.runner.outputs if "a" in so.num_scheduled_tokens]
+    assert len(steps) == len(tokens) + 1  # prefill, one step per token after the first, one thrown away
+    assert_all_free(core)
