@@ -105,8 +105,9 @@ class ModelRunner:
         return out
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput) -> None:
-        idx = torch.tensor(step.logits_indices, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        if len(step.logits_indices) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(step.logits_indices, device=self.device))
+        logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
         states = step.sample_states
         # the common case, every row plain greedy, skips building the sampler's rows
         ids = self.sampler.argmax(logits) if all(len(st.token_ids) >= st.greedy_from for st in states) else None
