@@ -199,82 +199,113 @@ inline void prefetch_row(const at::BFloat16* p) {
   for (int64_t c = 0; c < NV; ++c) __builtin_prefetch(p + c * 32, 0, HINT);
 }
 
-// r[j] (dwords of row j) -> r[e] (dword e of every row), a 16 x 16 transpose of 32-bit elements
-inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int p = 0; p < 4; ++p) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[p], u[4 + p], 0x44), v1 = _mm512_shuffle_i32x4(u[p], u[4 + p], 0xee);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + p], u[12 + p], 0x44),
-                  v3 = _mm512_shuffle_i32x4(u[8 + p], u[12 + p], 0xee);
-    r[p] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + p] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-    r[8 + p] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + p] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+// Raw scores without a full transpose: a chunk's 16 rows (16 dim pairs each) are transposed only
+// within 128-bit lanes, 4 rows at a time (two in-lane unpack levels), so that kt[c * 16 + 4a + b] holds
+// in lane (L, k) pair 4L + b of key 4a + k. vdpbf16ps against q permuted the same way (qp[(h * NV + c)
+// * 4 + b], lane (L, k) = pair c * 16 + 4L + b) leaves in acc[h][a] lane (L, k) the part over lane L's
+// pairs of key 4a + k; the four 128-bit lanes are summed at the end (keys come out in order). This
+// saves the cross-lane half of the transpose and the broadcasts, and keeps the keys in registers.
+template <int NH>
+__attribute__((always_inline)) inline void finish_scores(__m512 (*acc)[4], float* s) {
+  for (int h = 0; h < NH; ++h) {
+    const __m512 m01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[h][0], acc[h][1], 0x44),
+                                     _mm512_shuffle_f32x4(acc[h][0], acc[h][1], 0xee));
+    const __m512 m23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[h][2], acc[h][3], 0x44),
+                                     _mm512_shuffle_f32x4(acc[h][2], acc[h][3], 0xee));
+    _mm512_storeu_ps(s + h * TILE, _mm512_add_ps(_mm512_shuffle_f32x4(m01, m23, 0x88),
+                                                 _mm512_shuffle_f32x4(m01, m23, 0xdd)));
   }
 }
 
-// Raw scores of NH heads (q as bf16 pairs, qd[h * DIM / 2 + e]) from the transposed K slice kt.
-template <int64_t NV, int NH>
-inline void heads_scores(const uint32_t* qd, const __m512i* kt, float* s) {
-  constexpr int A = NH <= 4 ? 4 : 2;  // accumulators per head, to hide vdpbf16ps latency
-  __m512 acc[NH][A];
+// 4 rows x[0..3] (16 dwords each) -> u[b] lane (L, k) = dword 4L + b of row k
+__attribute__((always_inline)) inline void transpose4x4(const __m512i* x, __m512i* u) {
+  const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+  u[0] = _mm512_unpacklo_epi64(t0, t2);
+  u[1] = _mm512_unpackhi_epi64(t0, t2);
+  u[2] = _mm512_unpacklo_epi64(t1, t3);
+  u[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// Scores of NH <= 4 heads (qp: their permuted q) from the K rows in memory; kt, if given, keeps the
+// lane-transposed rows for further heads.
+template <int64_t NV, int NH, bool FULL>
+inline void heads_scores_load(const __m512i* qp, const at::BFloat16* k, int64_t row_len, int64_t n, float* s,
+                              const at::BFloat16* pf, const at::BFloat16* far, const at::BFloat16* far_v,
+                              __m512i* kt) {
+  // without a prefetch target, prefetch the rows being read (no branches in the unrolled code)
+  if (!pf) pf = k;
+  if (!far) far = k;
+  if (!far_v) far_v = k;
+  __m512 acc[NH][4];
   for (int h = 0; h < NH; ++h)
-    for (int i = 0; i < A; ++i) acc[h][i] = _mm512_setzero_ps();
-  for (int64_t e = 0; e < NV * 16; e += A)
-    for (int i = 0; i < A; ++i) {
-      const __m512bh k = (__m512bh)kt[e + i];
-      for (int h = 0; h < NH; ++h)
-        acc[h][i] = _mm512_dpbf16_ps(acc[h][i], (__m512bh)_mm512_set1_epi32(qd[h * NV * 16 + e + i]), k);
+    for (int a = 0; a < 4; ++a) acc[h][a] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t c = 0; c < NV; ++c)
+    for (int a = 0; a < 4; ++a) {  // rolled: measured faster from DRAM than unrolled
+      __m512i x[4], u[4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t j = 4 * a + r;
+        if (!FULL && j >= n) { x[r] = _mm512_setzero_si512(); continue; }
+        if (c == 0) prefetch_row<NV, NEAR>(pf + j * row_len);
+        if (c == 0) prefetch_row<NV, FAR>(far + j * row_len);
+        if (c == NV - 1) prefetch_row<NV, FAR>(far_v + j * row_len);
+        x[r] = _mm512_loadu_si512(k + j * row_len + c * 32);
+      }
+      // keeps each group's loads and prefetches between the previous and the next group's work, as
+      // written: bunched up front they slow the DRAM-bound case
+      asm volatile("" ::: "memory");
+      transpose4x4(x, u);
+      if (kt)
+        for (int b = 0; b < 4; ++b) kt[c * 16 + 4 * a + b] = u[b];
+      for (int b = 0; b < 4; ++b)
+        for (int h = 0; h < NH; ++h)
+          acc[h][a] = _mm512_dpbf16_ps(acc[h][a], (__m512bh)qp[(h * NV + c) * 4 + b], (__m512bh)u[b]);
     }
-  for (int h = 0; h < NH; ++h) {
-    __m512 t = acc[h][0];
-    for (int i = 1; i < A; ++i) t = _mm512_add_ps(t, acc[h][i]);
-    _mm512_storeu_ps(s + h * TILE, t);
-  }
+  finish_scores<NH>(acc, s);
+}
+
+// Scores of NH <= 4 more heads from the lane-transposed rows kept in kt.
+template <int64_t NV, int NH>
+inline void heads_scores_kept(const __m512i* qp, const __m512i* kt, float* s) {
+  __m512 acc[NH][4];
+  for (int h = 0; h < NH; ++h)
+    for (int a = 0; a < 4; ++a) acc[h][a] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t c = 0; c < NV; ++c)
+#pragma GCC unroll 4
+    for (int a = 0; a < 4; ++a)
+      for (int b = 0; b < 4; ++b)
+        for (int h = 0; h < NH; ++h)
+          acc[h][a] = _mm512_dpbf16_ps(acc[h][a], (__m512bh)qp[(h * NV + c) * 4 + b], (__m512bh)kt[c * 16 + 4 * a + b]);
+  finish_scores<NH>(acc, s);
 }
 
 // Raw scores of a GQA group's heads against the tile's keys (rows k + j * row_len, j < n) into
-// s[g * TILE + j]: the K slice is transposed into pairs of dims per key (lane j = key j), so each
-// vdpbf16ps with a broadcast pair of q gives 16 keys' partial scores. qd: the heads' q as bf16 pairs.
+// s[g * TILE + j]. qp: the heads' permuted q (see heads_scores_load).
 // Prefetches: pf (near) and far of the K rows with the first chunk's loads, far_v (the V rows of the far
 // slice) with the last chunk's: issuing the far V prefetches here rather than in group_pv spreads the
 // long DRAM misses more evenly over a slice's work (measured ~7-9% faster on scattered blocks).
 template <int64_t NV, bool FULL>
-inline void group_scores(const uint32_t* qd, const at::BFloat16* k, int64_t row_len, int64_t n, int64_t group,
+inline void group_scores(const __m512i* qp, const at::BFloat16* k, int64_t row_len, int64_t n, int64_t group,
                          float* s, const at::BFloat16* pf, const at::BFloat16* far, const at::BFloat16* far_v) {
-  __m512i kt[NV * 16];
-  for (int64_t c = 0; c < NV; ++c) {
-    for (int64_t j = 0; j < TILE; ++j) {
-      if (!FULL && j >= n) { kt[c * 16 + j] = _mm512_setzero_si512(); continue; }
-      if (pf && c == 0) prefetch_row<NV, NEAR>(pf + j * row_len);
-      if (far && c == 0) prefetch_row<NV, FAR>(far + j * row_len);
-      if (far_v && c == NV - 1) prefetch_row<NV, FAR>(far_v + j * row_len);
-      kt[c * 16 + j] = _mm512_loadu_si512(k + j * row_len + c * 32);
-    }
-    transpose16(kt + c * 16);
+  switch (group) {
+    case 1: heads_scores_load<NV, 1, FULL>(qp, k, row_len, n, s, pf, far, far_v, nullptr); return;
+    case 2: heads_scores_load<NV, 2, FULL>(qp, k, row_len, n, s, pf, far, far_v, nullptr); return;
+    case 3: heads_scores_load<NV, 3, FULL>(qp, k, row_len, n, s, pf, far, far_v, nullptr); return;
+    case 4: heads_scores_load<NV, 4, FULL>(qp, k, row_len, n, s, pf, far, far_v, nullptr); return;
+    default: break;
   }
-  for (int64_t h = 0; h < group; h += 8) {
-    const uint32_t* qh = qd + h * NV * 16;
+  __m512i kt[NV * 16];
+  heads_scores_load<NV, 4, FULL>(qp, k, row_len, n, s, pf, far, far_v, kt);
+  for (int64_t h = 4; h < group; h += 4) {
+    const __m512i* qh = qp + h * NV * 4;
     float* sh = s + h * TILE;
-    switch (std::min<int64_t>(8, group - h)) {
-      case 1: heads_scores<NV, 1>(qh, kt, sh); break;
-      case 2: heads_scores<NV, 2>(qh, kt, sh); break;
-      case 3: heads_scores<NV, 3>(qh, kt, sh); break;
-      case 4: heads_scores<NV, 4>(qh, kt, sh); break;
-      case 5: heads_scores<NV, 5>(qh, kt, sh); break;
-      case 6: heads_scores<NV, 6>(qh, kt, sh); break;
-      case 7: heads_scores<NV, 7>(qh, kt, sh); break;
-      default: heads_scores<NV, 8>(qh, kt, sh); break;
+    switch (std::min<int64_t>(4, group - h)) {
+      case 1: heads_scores_kept<NV, 1>(qh, kt, sh); break;
+      case 2: heads_scores_kept<NV, 2>(qh, kt, sh); break;
+      case 3: heads_scores_kept<NV, 3>(qh, kt, sh); break;
+      default: heads_scores_kept<NV, 4>(qh, kt, sh); break;
     }
   }
 }
@@ -295,6 +326,15 @@ inline __m512 tile_softmax(__m512 s, __mmask16 valid, float& m, __m512& l, float
   const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m)), valid);
   l = _mm512_add_ps(l, p);
   return p;
+}
+
+// tile_softmax for NH heads at once (their exp chains interleave): scores p[g * TILE ...] times scale
+// -> probabilities in place, with the heads' running m, l and corr.
+template <int NH>
+inline void heads_softmax(float* p, float scale, __mmask16 valid, float* m, __m512* l, float* corr) {
+  __m512 s[NH];
+  for (int g = 0; g < NH; ++g) s[g] = _mm512_mul_ps(_mm512_loadu_ps(p + g * TILE), _mm512_set1_ps(scale));
+  for (int g = 0; g < NH; ++g) _mm512_storeu_ps(p + g * TILE, tile_softmax(s[g], valid, m[g], l[g], corr[g]));
 }
 
 // acc[h] = acc[h] * corr[h] + sum_j p[h][j] v[j] for NH heads over NC 32-column chunks from c0, in
@@ -397,7 +437,7 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
   constexpr int64_t NV = DIM / 32;
   const int64_t group = hq / hk, row_len = hk * DIM;
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> qv(hq * NV);
+    std::vector<__m512i> qv(hq * NV * 4);
     std::vector<float> acc(hq * DIM), p(group * TILE), corr(group), m(hq), l(hq);
     std::vector<__m512> lv(hq);
     BlockCursor ahead{tables, lens, max_blocks, bs, window, end, begin, 0};
@@ -414,8 +454,15 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
       const int64_t len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       for (int64_t h = 0; h < hq; ++h)
-        for (int64_t c = 0; c < NV; ++c)
-          qv[h * NV + c] = _mm512_loadu_si512(q + b * q_seq_stride + h * q_head_stride + c * 32);
+        for (int64_t c = 0; c < NV; ++c) {
+          const __m512i x = _mm512_loadu_si512(q + b * q_seq_stride + h * q_head_stride + c * 32);
+          // lane (L, k) of permuted vector b: pair 4L + b (see heads_scores_load)
+          for (int bb = 0; bb < 4; ++bb) {
+            const __m512i idx = _mm512_add_epi32(
+                _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12), _mm512_set1_epi32(bb));
+            qv[(h * NV + c) * 4 + bb] = _mm512_permutexvar_epi32(idx, x);
+          }
+        }
       reset(acc, m, l);
       std::fill(lv.begin(), lv.end(), _mm512_setzero_ps());
       for (int64_t bi = start / bs; bi * bs < len; ++bi) {
@@ -434,13 +481,18 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
             const int64_t near = slice(near_slices), far = slice(FAR_SLICES);
             const at::BFloat16 *kn = near >= 0 ? kc + near : nullptr, *vn = near >= 0 ? vc + near : nullptr;
             const at::BFloat16 *kf = far >= 0 ? kc + far : nullptr, *vf = far >= 0 ? vc + far : nullptr;
-            const uint32_t* qd = reinterpret_cast<const uint32_t*>(qv.data()) + kh * group * NV * 16;
+            const __m512i* qd = qv.data() + kh * group * NV * 4;
             if (n == TILE) group_scores<NV, true>(qd, kc + off, row_len, n, group, p.data(), kn, kf, vf);
             else group_scores<NV, false>(qd, kc + off, row_len, n, group, p.data(), kn, kf, vf);
-            for (int64_t g = 0; g < group; ++g) {
-              const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(&p[g * TILE]), _mm512_set1_ps(scale));
-              const int64_t h = kh * group + g;
-              _mm512_storeu_ps(&p[g * TILE], tile_softmax(s, valid, m[h], lv[h], corr[g]));
+            for (int64_t g = 0; g < group; g += 4) {
+              float *pg = p.data() + g * TILE, *mg = m.data() + kh * group + g, *cg = corr.data() + g;
+              __m512* lg = lv.data() + kh * group + g;
+              switch (std::min<int64_t>(4, group - g)) {
+                case 1: heads_softmax<1>(pg, scale, valid, mg, lg, cg); break;
+                case 2: heads_softmax<2>(pg, scale, valid, mg, lg, cg); break;
+                case 3: heads_softmax<3>(pg, scale, valid, mg, lg, cg); break;
+                default: heads_softmax<4>(pg, scale, valid, mg, lg, cg); break;
+              }
             }
             group_pv<DIM>(acc.data() + kh * group * DIM, p.data(), corr.data(), vc + off, row_len, n, group, vn, nullptr);
           }
