@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import random_prompts
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, config
+from tokenmill.config import EngineArgs
 
 PROMPTS = random_prompts(10, 3, 40, seed=5)
 
@@ -95,3 +96,24 @@ def test_async_engine_keeps_two_steps_in_flight(engines: tuple[LLM, LLM]) -> Non
     finally:
         del core._submit
     assert max(depth) == 2
+
+
+@pytest.mark.parametrize(("cpus", "threads", "busy", "device", "on"), [
+    (2, 1, 0, "cpu", True),  # offline, one compute thread: the second CPU schedules
+    (2, None, 0, "cpu", False),  # compute threads on every CPU
+    (2, 1, 1, "cpu", False),  # serving: the second CPU is the API process's
+    (8, 4, 1, "cpu", True),
+    (2, None, 1, "cuda", True),
+])
+def test_async_scheduling_default_wants_a_cpu_of_its_own(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                                         threads: int | None, busy: int, device: str,
+                                                         on: bool) -> None:
+    monkeypatch.setattr(config, "default_num_threads", lambda: cpus)
+    assert config.default_async_scheduling(device, threads, busy) is on
+
+
+def test_async_scheduling_flag_overrides_the_default(llama_dir: str) -> None:
+    for flag in (True, False):
+        cfg = EngineArgs(llama_dir, num_threads=4096, async_scheduling=flag).create_engine_config()
+        assert cfg.scheduler.async_scheduling is flag
+    assert not EngineArgs(llama_dir, num_threads=4096).create_engine_config().scheduler.async_scheduling

@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-        "prefix_caching": config.cache.enable_prefix_caching, "detokenize": args.detokenize,
+        "prefix_caching": config.cache.enable_prefix_caching,
+        "async_scheduling": config.scheduler.async_scheduling, "detokenize": args.detokenize,
         "ignore_eos": args.ignore_eos,
     }, args.output_json)
     return 0

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config import EngineArgs
+from tokenmill.config import EngineArgs, default_async_scheduling, resolve_device
 
 DEMO_MODEL = os.path.join("models", "tokenmill-demo")
 STARTED_AT = time.time()  # imported while the CLI builds its parser: the reference for "ready in"
@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         # Leave a core to the API process: model threads that share cores with HTTP, tokenization and
         # detokenization get descheduled mid-step (6.3 vs 85 ms per token measured on 2 busy cores).
         args.num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    if args.async_scheduling is None:
+        args.async_scheduling = default_async_scheduling(resolve_device(args.device), args.num_threads, busy_cpus=1)
     template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     try:
