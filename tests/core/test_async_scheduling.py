@@ -22,7 +22,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.core import EngineCore
 from tokenmill.sampling_params import SamplingParams
 
-from .test_scheduler import EOS, STEMS, VOCAB, FakeRunner, PreparedStep, Result
+from .test_scheduler import EOS, VOCAB, FakeRunner, PreparedStep, Result, workloads
 
 
 class RunWhenAwaited(Future[ModelRunnerOutput]):
@@ -108,29 +108,14 @@ def assert_all_free(core: EngineCore) -> None:
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks and not sched.kv.req_blocks
 
 
-@st.composite
-def workloads(draw: st.DrawFn) -> tuple[dict[str, int], list[tuple[int, list[int], int, int, bool, int | None]]]:
-    block_size = draw(st.sampled_from([2, 4]))
-    max_model_len = 24
-    cfg = dict(block_size=block_size, max_model_len=max_model_len,
-               num_blocks=draw(st.integers(max_model_len // block_size, max_model_len // block_size + 6)),
-               budget=draw(st.integers(1, 40)), max_num_seqs=draw(st.integers(1, 5)))
-    reqs = []
-    for _ in range(draw(st.integers(1, 8))):
-        stem = draw(st.sampled_from(STEMS))[:draw(st.integers(0, 12))]
-        prompt = (stem + draw(st.lists(st.integers(50, 53), max_size=8)))[:max_model_len - 1] or [7]
-        abort_at = draw(st.none() | st.integers(1, 12))  # abort this many steps after it arrives
-        reqs.append((draw(st.integers(0, 6)), prompt, draw(st.integers(1, 16)), draw(st.integers(0, 2)),
-                     draw(st.booleans()), abort_at))
-    return cfg, reqs
-
-
 @settings(max_examples=150, deadline=None)
-@given(workloads())
+@given(workloads(), st.data())
 def test_async_steps_give_the_synchronous_results_without_leaks(
-    workload: tuple[dict[str, int], list[tuple[int, list[int], int, int, bool, int | None]]],
+    workload: tuple[dict[str, int], list[tuple[int, list[int], int, int]]], data: st.DataObject,
 ) -> None:
-    cfg, reqs = workload
+    cfg, base = workload
+    # each request also: whether it ignores EOS, and whether it is aborted so many steps after it arrives
+    reqs = [(*r, data.draw(st.booleans()), data.draw(st.none() | st.integers(1, 12))) for r in base]
     core, executor = make_core(cfg["num_blocks"], cfg["block_size"], cfg["budget"], cfg["max_num_seqs"],
                                cfg["max_model_len"])
     results: dict[str, Result] = {}
