@@ -36,12 +36,11 @@ class StepBatch:
     seq_lens: list[int]
     block_tables: list[list[int]]
     num_decodes: int
-    sample_req_ids: list[str]  # requests whose chunk reaches their last token
+    sample_states: list[CachedRequestState]  # requests whose chunk reaches their last token
     logits_indices: list[int]  # flat-batch rows whose logits are sampled (same order)
     sample_positions: list[int]  # their places in req_ids (same order)
-    sample_states: list[CachedRequestState]  # their states (same order)
-    prompt_lp_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # rid -> (row0, n, pos0)
-    prompt_lp_states: dict[str, CachedRequestState] = field(default_factory=dict)
+    # rid -> (row0, n, pos0, state): rows whose logits score prompt tokens
+    prompt_lp_rows: dict[str, tuple[int, int, int, CachedRequestState]] = field(default_factory=dict)
     # decode rows whose input is the token the step before samples (async scheduling: not known when
     # the step is built): (row, state, position); fill_pending_inputs sets them once that step is done
     pending_inputs: list[tuple[int, CachedRequestState, int]] = field(default_factory=list)
@@ -82,9 +81,8 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
     slots: list[np.ndarray] = [np.empty(num_decodes, dtype=np.int64)]
     dec_ids, dec_pos, dec_slots = [], [], []
     qsl = [0]
-    seq_lens, tables, sample_ids, logits_idx, sample_pos, sample_states = [], [], [], [], [], []
-    prompt_rows: dict[str, tuple[int, int, int]] = {}
-    prompt_states: dict[str, CachedRequestState] = {}
+    seq_lens, tables, logits_idx, sample_pos, sample_states = [], [], [], [], []
+    prompt_rows: dict[str, tuple[int, int, int, CachedRequestState]] = {}
     pending: list[tuple[int, CachedRequestState, int]] = []
     for i, rid in enumerate(order):
         st = states[rid]
@@ -110,16 +108,14 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         seq_lens.append(start + n)
         tables.append(st.block_ids)  # the next step may extend it while this one runs: the head stays
         if start + n >= len(st.token_ids):
-            sample_ids.append(rid)
             logits_idx.append(row0 + n - 1)
             sample_pos.append(i)
             sample_states.append(st)
         if st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
             # position p's logits score prompt token p + 1
             count = min(start + n, st.num_prompt_tokens - 1) - start
-            prompt_rows[rid] = (row0, count, start + 1)
-            prompt_states[rid] = st
+            prompt_rows[rid] = (row0, count, start + 1, st)
     ids[0][:], pos[0][:], slots[0][:] = dec_ids, dec_pos, dec_slots
     return StepBatch(order, np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), qsl,
-                     seq_lens, tables, num_decodes, sample_ids, logits_idx, sample_pos, sample_states,
-                     prompt_rows, prompt_states, pending)
+                     seq_lens, tables, num_decodes, sample_states, logits_idx, sample_pos, prompt_rows,
+                     pending)

@@ -97,11 +97,10 @@ class ModelRunner:
         hidden = self.model(torch.from_numpy(step.input_ids).to(self.device),
                             torch.from_numpy(step.positions).to(self.device), self.kv_caches, meta, self.backend)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
-        if step.sample_req_ids:
+        if step.sample_states:
             self._sample(hidden, step, out)
-        for rid, (row0, n, pos0) in step.prompt_lp_rows.items():
-            out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n],
-                                                                    step.prompt_lp_states[rid], pos0))
+        for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
+            out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], st, pos0))
         return out
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput) -> None:
