@@ -7,9 +7,11 @@ import random
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.cpu import CUDA_SDPA_BACKENDS
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 
 
@@ -34,6 +36,23 @@ def make_batch(seed: int, query_lens: list[int], ctx_lens: list[int], block_size
 @pytest.mark.parametrize("hq,hk,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 64), (4, 1, 16), (8, 2, 128)])
 @pytest.mark.parametrize("window", [None, 7, 40])
 def test_matches_reference(backend: str, dtype: torch.dtype, hq: int, hk: int, dim: int, window: int | None) -> None:
+    check_against_reference(backend, dtype, hq, hk, dim, window, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent device)")
+@pytest.mark.parametrize("window", [None, 7])
+def test_sdpa_on_cuda_matches_reference(window: int | None) -> None:
+    check_against_reference("cuda", torch.bfloat16, 12, 4, 64, window, torch.device("cuda"))
+
+
+def test_cuda_sdpa_leaves_out_cudnn() -> None:
+    # cuDNN's SDPA builds a plan per new shape (45-72 ms each on an H100): ~35 s of a first run
+    assert SDPBackend.CUDNN_ATTENTION not in CUDA_SDPA_BACKENDS
+    assert SDPBackend.FLASH_ATTENTION in CUDA_SDPA_BACKENDS and SDPBackend.MATH in CUDA_SDPA_BACKENDS
+
+
+def check_against_reference(backend: str, dtype: torch.dtype, hq: int, hk: int, dim: int, window: int | None,
+                            device: torch.device) -> None:
     torch.manual_seed(0)
     bs, num_blocks = 8, 64
     # decodes first (query length 1), then prefill chunks with and without earlier context
@@ -49,9 +68,10 @@ def test_matches_reference(backend: str, dtype: torch.dtype, hq: int, hk: int, d
     v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
     ref = get_backend("torch_ref")
     fast = get_backend(backend)
-    fast.prepare(meta, torch.device("cpu"))
+    fast.prepare(meta, device)
     expected = ref.forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
-    got = fast.forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
+    args = [t.to(device) for t in (q, k_new, v_new, k_cache, v_cache)]
+    got = fast.forward(*args, meta, dim**-0.5).cpu()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
