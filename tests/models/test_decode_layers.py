@@ -19,23 +19,24 @@ pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_packed_gemv() or not 
 
 
 class CountingOps:
-    def __init__(self, ops: Any) -> None:
-        self.ops, self.calls = ops, 0
+    def __init__(self, ops: Any, name: str = "decode_layers") -> None:
+        self.ops, self.name, self.calls = ops, name, 0
 
     def __getattr__(self, name: str) -> Any:
-        if name == "decode_layers":
+        if name == self.name:
             self.calls += 1
         return getattr(self.ops, name)
 
 
-def _run(model_dir: str, fused: bool, num_prompts: int) -> tuple[list[Any], int]:
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
+def _run(model_dir: str, fused: bool, num_prompts: int, params: Any = None, count: str = "decode_layers",
+         **engine_args: Any) -> tuple[list[Any], int]:
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="4MiB", device="cpu", **engine_args)
     model = llm.engine.core.executor.runner.model
     model.enable_fused_ops(OPS, decode_layers=fused)
-    counter = CountingOps(OPS)
+    counter = CountingOps(OPS, count)
     model.ops = counter
     prompts = random_prompts(num_prompts, 3, 40, seed=num_prompts)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    params = params or SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
     return llm.generate(prompts, params, use_tqdm=False), counter.calls
 
 
@@ -48,6 +49,34 @@ def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name:
     for a, b in zip(fast, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bitwise: the same kernels in the same order
+
+
+@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window"])
+@pytest.mark.parametrize("num_prompts", [1, 9])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_greedy_matches_the_python_path(model_dirs: dict[str, str], name: str, num_prompts: int,
+                                               async_scheduling: bool) -> None:
+    # ops.decode_greedy (embedding, layers, lm_head, argmax in one call) against the Python layer loop,
+    # compute_logits and the sampler; min_tokens keeps the first steps off it (not plain greedy then)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=4 if i % 2 else 0)
+              for i in range(num_prompts)]
+    fast, fast_calls = _run(model_dirs[name], True, num_prompts, params, "decode_greedy",
+                            async_scheduling=async_scheduling)
+    ref, ref_calls = _run(model_dirs[name], False, num_prompts, params, "decode_greedy",
+                          async_scheduling=async_scheduling)
+    assert ref_calls == 0
+    # every pure-decode step once each row is past min_tokens: 29 decode steps, the first 3 not fused
+    # where any row has min_tokens (the step of a later-admitted prompt is not pure decode either)
+    assert 20 <= fast_calls <= 29 - (3 if num_prompts > 1 else 0)
+    for a, b in zip(fast, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_decode_greedy_is_not_taken_for_sampled_rows(model_dirs: dict[str, str]) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)]
+    _, calls = _run(model_dirs["llama-gqa4-untied"], True, 2, params, "decode_greedy")
+    assert calls == 0
 
 
 def test_decode_layers_is_off_where_it_does_not_apply(model_dirs: dict[str, str]) -> None:

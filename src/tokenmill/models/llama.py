@@ -106,19 +106,39 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        if self._layer_weights is not None and meta.num_decodes == h.shape[0] and "decode_tables" in meta.extra:
+        if self.fused_decode(meta, h.shape[0]):
             # a pure-decode step: the same kernels as the loop below, called from C++
-            cfg = self.cfg
-            return self.ops.decode_layers(
-                h, positions, self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self.norm.weight,
-                kv_caches, meta.slot_mapping, meta.extra["decode_tables"], meta.extra["decode_lens"],
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-                meta.sliding_window or 0, GEMV_MAX_ROWS)
+            return self.ops.decode_layers(h, positions, *self._decode_args(kv_caches, meta))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, backend)
         h, _ = self.norm(h, residual)
         return h
+
+    def fused_decode(self, meta: AttentionMetadata, rows: int) -> bool:
+        """Whether this step is one ops.decode_layers takes: pure decode, the C++ attention's tables."""
+        return self._layer_weights is not None and meta.num_decodes == rows and "decode_tables" in meta.extra
+
+    def _decode_args(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[Any, ...]:
+        cfg = self.cfg
+        return (self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self.norm.weight, kv_caches,
+                meta.slot_mapping, meta.extra["decode_tables"], meta.extra["decode_lens"], cfg.num_heads,
+                cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, meta.sliding_window or 0,
+                GEMV_MAX_ROWS)
+
+    def decode_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata) -> torch.Tensor | None:
+        """A pure-decode step whose every row is plain greedy, to its tokens, in one C++ call
+        (ops.decode_greedy: embedding, decode_layers, lm_head, the sampler's argmax kernel); the same
+        kernels as forward + compute_logits + Sampler.argmax, so the same tokens. None where it does
+        not apply (the caller takes that path then)."""
+        lm_head = self.lm_head
+        if not isinstance(lm_head, PackedLinear) or not self.fused_decode(meta, input_ids.shape[0]):
+            return None
+        ids: torch.Tensor = self.ops.decode_greedy(
+            input_ids, self.embed_tokens.weight, positions, *self._decode_args(kv_caches, meta), lm_head.weight,
+            lm_head.bias, GEMV_MAX_ROWS if lm_head.gemv_ops is not None else 0)
+        return ids
 
     def enable_fused_ops(self, ops: Any, decode_layers: bool = True) -> None:
         """Route bf16 norms, rotary, SiLU-and-mul and KV-cache writes through fused C++ kernels; and,

@@ -94,28 +94,42 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, step: StepBatch, meta: AttentionMetadata) -> ModelRunnerOutput:
         step.fill_pending_inputs()
-        hidden = self.model(torch.from_numpy(step.input_ids).to(self.device),
-                            torch.from_numpy(step.positions).to(self.device), self.kv_caches, meta, self.backend)
+        input_ids = torch.from_numpy(step.input_ids).to(self.device)
+        positions = torch.from_numpy(step.positions).to(self.device)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
-        if step.sample_states:
-            self._sample(hidden, step, out)
+        states = step.sample_states
+        # the common case, every row plain greedy, skips building the sampler's rows
+        greedy = all(len(st.token_ids) >= st.greedy_from for st in states)
+        if greedy and states and len(states) == len(step.input_ids) and not step.prompt_lp_rows:
+            ids = self.model.decode_greedy(input_ids, positions, self.kv_caches, meta)
+            if ids is not None:  # the whole step in one call, to its tokens
+                self._record(step, out, SamplerOutput(ids.tolist()))
+                return out
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if states:
+            self._sample(hidden, step, out, greedy)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
             out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], st, pos0))
         return out
 
-    def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput) -> None:
+    def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput, greedy: bool) -> None:
         if len(step.logits_indices) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(step.logits_indices, device=self.device))
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
         states = step.sample_states
-        # the common case, every row plain greedy, skips building the sampler's rows
-        ids = self.sampler.argmax(logits) if all(len(st.token_ids) >= st.greedy_from for st in states) else None
+        ids = self.sampler.argmax(logits) if greedy else None
         if ids is not None:
             sampled = SamplerOutput(ids)
         else:
             sampled = self.sampler(logits, [SamplingRow(st.sampling_params, st.token_ids, st.num_prompt_tokens,
                                                         self.eos_token_ids, st.generator) for st in states])
-        for k, (st, pos, tok) in enumerate(zip(states, step.sample_positions, sampled.token_ids, strict=False)):
+        self._record(step, out, sampled)
+
+    @staticmethod
+    def _record(step: StepBatch, out: ModelRunnerOutput, sampled: SamplerOutput) -> None:
+        """Each sampled row's token (and logprobs) into its request's state and the step's output."""
+        rows = zip(step.sample_states, step.sample_positions, sampled.token_ids, strict=False)
+        for k, (st, pos, tok) in enumerate(rows):
             st.token_ids.append(tok)
             out.sampled_token_ids[pos] = [tok]
             if sampled.logprobs and sampled.logprobs[k] is not None:

@@ -29,6 +29,7 @@ using Rotary = void(at::Tensor&, T, T, T);
 using WriteKv = void(T, T, at::Tensor&, at::Tensor&, T);
 using PagedDecode = at::Tensor(T, T, T, T, T, double, int64_t);
 using SiluAndMul = at::Tensor(T);
+using ArgmaxRows = at::Tensor(T);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
@@ -37,6 +38,7 @@ struct Ops {
   c10::TypedOperatorHandle<WriteKv> write_kv = find_op<WriteKv>("tokenmill_cpu::write_kv_");
   c10::TypedOperatorHandle<PagedDecode> decode = find_op<PagedDecode>("tokenmill_cpu::paged_decode");
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = find_op<SiluAndMul>("tokenmill_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<ArgmaxRows> argmax_rows = find_op<ArgmaxRows>("tokenmill_cpu::argmax_rows");
 };
 
 // PackedLinear.forward's choice: tokenmill's GEMV up to gemv_rows rows, else oneDNN on the same packed weight
@@ -99,14 +101,39 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
   return op.rms_norm.call(h, final_norm, eps, OptTensor(residual));
 }
 
+// input_ids [T] (int64) -> each row's greedy token [T] (int64): embedding, decode_layers, lm_head, argmax
+at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
+                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+                         const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
+                         int64_t gemv_rows, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
+                         int64_t lm_head_gemv_rows) {
+  const at::Tensor h = at::embedding(embed, input_ids);
+  const at::Tensor x = decode_layers(h, positions, cos, sin, weights, final_norm, kv_caches, slot_mapping,
+                                     block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps, scale, window,
+                                     gemv_rows);
+  return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv_rows));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor final_norm, "
         "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
         "int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows) -> Tensor");
+  m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
+        "Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows, "
+        "Tensor lm_head, Tensor? lm_head_bias, int lm_head_gemv_rows) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
-TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
-TORCH_LIBRARY_IMPL(tokenmill_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_greedy", &decode_greedy);
+}
+TORCH_LIBRARY_IMPL(tokenmill_cpu, MkldnnCPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_greedy", &decode_greedy);
+}
