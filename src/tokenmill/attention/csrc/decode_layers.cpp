@@ -10,7 +10,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <vector>
+
+#include "kernels.h"
 
 namespace {
 
@@ -25,18 +28,12 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 using T = const at::Tensor&;
 using RmsNorm = at::Tensor(T, T, double, const OptTensor&);
 using Gemv = at::Tensor(T, T, const OptTensor&);
-using Rotary = void(at::Tensor&, T, T, T);
-using WriteKv = void(T, T, at::Tensor&, at::Tensor&, T);
-using PagedDecode = at::Tensor(T, T, T, T, T, double, int64_t);
 using SiluAndMul = at::Tensor(T);
 using ArgmaxRows = at::Tensor(T);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
   c10::TypedOperatorHandle<Gemv> gemv = find_op<Gemv>("tokenmill_cpu::packed_gemv");
-  c10::TypedOperatorHandle<Rotary> rotary = find_op<Rotary>("tokenmill_cpu::rotary_");
-  c10::TypedOperatorHandle<WriteKv> write_kv = find_op<WriteKv>("tokenmill_cpu::write_kv_");
-  c10::TypedOperatorHandle<PagedDecode> decode = find_op<PagedDecode>("tokenmill_cpu::paged_decode");
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = find_op<SiluAndMul>("tokenmill_cpu::silu_and_mul");
   c10::TypedOperatorHandle<ArgmaxRows> argmax_rows = find_op<ArgmaxRows>("tokenmill_cpu::argmax_rows");
 };
@@ -75,9 +72,32 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
   TORCH_CHECK(h_in.dim() == 2 && h_in.is_contiguous(), "decode_layers: h must be contiguous [T, hidden]");
   const Ops& op = ops();
   const int64_t t = h_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t qkv_row = q_size + 2 * kv_size;
+  // the attention block takes raw pointers (tokenmill::rotary_rows, write_kv_rows, paged_decode_bf16, as
+  // the rotary_, write_kv_ and paged_decode ops do once they have checked their tensors): checked here once
+  TORCH_CHECK(h_in.scalar_type() == at::kBFloat16, "decode_layers: bfloat16 only");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == t &&
+              slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == t,
+              "decode_layers: positions and slot_mapping must be contiguous int64 [T]");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.size(1) == head_dim, "decode_layers: cos/sin must be contiguous bfloat16 [P, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.size(0) == t &&
+              seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == t,
+              "decode_layers: block_tables [T, max_blocks] and seq_lens [T] must be contiguous int32");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "decode_layers: position out of range");
+  const auto* cos_p = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sin_p = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
   at::Tensor h = h_in, residual;
+  at::Tensor o = at::empty({t, q_size}, h_in.options());  // each layer's attention output, in turn
+  auto* o_p = reinterpret_cast<uint16_t*>(o.data_ptr<at::BFloat16>());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
+    const at::Tensor& cache = kv_caches[l];  // [2, blocks, block_size, kv heads, head_dim]
+    TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && cache.is_contiguous() && cache.dim() == 5 &&
+                cache.size(0) == 2 && cache.size(3) * cache.size(4) == kv_size,
+                "decode_layers: each KV cache must be a contiguous bfloat16 [2, blocks, block_size, heads, head_dim]");
     at::Tensor x;
     if (l == 0) {
       residual = h;
@@ -86,15 +106,21 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
       x = op.rms_norm.call(h, w[0], eps, OptTensor(residual));
     }
     const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv_rows);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
-    op.rotary.call(q, positions, cos, sin);
-    op.rotary.call(k, positions, cos, sin);
-    at::Tensor k_cache = kv_caches[l].select(0, 0), v_cache = kv_caches[l].select(0, 1);
-    op.write_kv.call(k, v, k_cache, v_cache, slot_mapping);
-    const at::Tensor o = op.decode.call(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-    h = linear(op, o.view({t, q_size}), w[3], OptTensor(), gemv_rows);
+    auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
+    uint16_t* k = q + q_size;
+    const uint16_t* v = k + kv_size;
+    tokenmill::rotary_rows(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos_p, sin_p);
+    tokenmill::rotary_rows(k, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos_p, sin_p);
+    auto* k_cache = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
+    uint16_t* v_cache = k_cache + cache.stride(0);
+    const int64_t block_size = cache.size(2), num_slots = cache.size(1) * block_size;
+    tokenmill::write_kv_rows(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), qkv_row * 2,
+                             qkv_row * 2, reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache),
+                             slot_mapping.data_ptr<int64_t>(), t, kv_size * 2, num_slots);
+    tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, block_tables.data_ptr<int32_t>(),
+                                 seq_lens.data_ptr<int32_t>(), o_p, t, num_heads, num_kv_heads, head_dim, block_size,
+                                 block_tables.size(1), static_cast<float>(scale), window);
+    h = linear(op, o, w[3], OptTensor(), gemv_rows);
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
     h = linear(op, op.silu_and_mul.call(linear(op, x, w[5], OptTensor(), gemv_rows)), w[6], OptTensor(), gemv_rows);
   }
@@ -109,7 +135,19 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
                          int64_t gemv_rows, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
                          int64_t lm_head_gemv_rows) {
-  const at::Tensor h = at::embedding(embed, input_ids);
+  // the embedding's rows, copied as at::embedding copies them (which cost ~25 us at batch 1 here)
+  TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
+              "decode_greedy: input_ids must be contiguous int64 [T]");
+  TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.is_contiguous() && embed.dim() == 2,
+              "decode_greedy: the embedding must be a contiguous bfloat16 [vocab, hidden]");
+  const int64_t t = input_ids.size(0), vocab = embed.size(0), hidden = embed.size(1);
+  at::Tensor h = at::empty({t, hidden}, embed.options());
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "decode_greedy: token id ", ids[i], " out of range");
+    std::memcpy(h.data_ptr<at::BFloat16>() + i * hidden, embed.data_ptr<at::BFloat16>() + ids[i] * hidden,
+                hidden * sizeof(at::BFloat16));
+  }
   const at::Tensor x = decode_layers(h, positions, cos, sin, weights, final_norm, kv_caches, slot_mapping,
                                      block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps, scale, window,
                                      gemv_rows);

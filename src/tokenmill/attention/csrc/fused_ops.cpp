@@ -11,6 +11,43 @@
 #include <limits>
 
 #include "common.h"
+#include "kernels.h"
+
+namespace tokenmill {
+
+void rotary_rows(uint16_t* xp, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh, const int64_t* pp,
+                 const uint16_t* cp, const uint16_t* sp) {
+  const int64_t half = d / 2;
+  auto r16 = [](float f) { return bf16_bits_to_f32(f32_to_bf16_bits(f)); };
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t* c = cp + pp[i] * d;
+      const uint16_t* s = sp + pp[i] * d;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        uint16_t* v = xp + i * st + hh * sh;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = bf16_bits_to_f32(v[j]), b = bf16_bits_to_f32(v[j + half]);
+          const float lo = r16(a * bf16_bits_to_f32(c[j])) + r16(-b * bf16_bits_to_f32(s[j]));
+          const float hi = r16(b * bf16_bits_to_f32(c[j + half])) + r16(a * bf16_bits_to_f32(s[j + half]));
+          v[j] = f32_to_bf16_bits(lo);
+          v[j + half] = f32_to_bf16_bits(hi);
+        }
+      }
+    }
+  });
+}
+
+void write_kv_rows(const char* kp, const char* vp, int64_t k_stride, int64_t v_stride, char* kc, char* vc,
+                   const int64_t* sp, int64_t t, int64_t row_bytes, int64_t num_slots) {
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "write_kv: slot ", sp[i], " out of range");
+    std::memcpy(kc + sp[i] * row_bytes, kp + i * k_stride, row_bytes);
+    std::memcpy(vc + sp[i] * row_bytes, vp + i * v_stride, row_bytes);
+  }
+}
+
+}  // namespace tokenmill
 
 namespace {
 
@@ -88,31 +125,11 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1, "rotary: bad x");
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(), "rotary: cos/sin");
-  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
-  const int64_t st = x.stride(0), sh = x.stride(1);
   auto pos = positions.contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  uint16_t* xp = reinterpret_cast<uint16_t*>(x.data_ptr<bf16>());
-  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<bf16>());
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<bf16>());
-  auto r16 = [](float f) { return bf16_bits_to_f32(f32_to_bf16_bits(f)); };
-  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint16_t* c = cp + pp[i] * d;
-      const uint16_t* s = sp + pp[i] * d;
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        uint16_t* v = xp + i * st + hh * sh;
-#pragma omp simd
-        for (int64_t j = 0; j < half; ++j) {
-          const float a = bf16_bits_to_f32(v[j]), b = bf16_bits_to_f32(v[j + half]);
-          const float lo = r16(a * bf16_bits_to_f32(c[j])) + r16(-b * bf16_bits_to_f32(s[j]));
-          const float hi = r16(b * bf16_bits_to_f32(c[j + half])) + r16(a * bf16_bits_to_f32(s[j + half]));
-          v[j] = f32_to_bf16_bits(lo);
-          v[j + half] = f32_to_bf16_bits(hi);
-        }
-      }
-    }
-  });
+  tokenmill::rotary_rows(reinterpret_cast<uint16_t*>(x.data_ptr<bf16>()), x.size(0), x.size(1), x.size(2),
+                         x.stride(0), x.stride(1), pos.data_ptr<int64_t>(),
+                         reinterpret_cast<const uint16_t*>(cos.data_ptr<bf16>()),
+                         reinterpret_cast<const uint16_t*>(sin.data_ptr<bf16>()));
 }
 
 // Stores this step's keys and values [T, H, D] (rows may be strided, as splits of a fused qkv
@@ -130,18 +147,11 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row, "write_kv: head shapes differ from the cache");
   for (const at::Tensor* x : {&k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "write_kv: heads of a row must be contiguous");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   auto slots = slot_mapping.contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "write_kv: slot ", sp[i], " out of range");
-    std::memcpy(kc + sp[i] * row * elem, kp + i * k.stride(0) * elem, row * elem);
-    std::memcpy(vc + sp[i] * row * elem, vp + i * v.stride(0) * elem, row * elem);
-  }
+  tokenmill::write_kv_rows(static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr()),
+                           k.stride(0) * elem, v.stride(0) * elem, static_cast<char*>(k_cache.data_ptr()),
+                           static_cast<char*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), t, row * elem,
+                           k_cache.size(0) * k_cache.size(1));
 }
 
 // argmax's order on bf16 bits as int16, 32 lanes a vector and no float conversion: a float's

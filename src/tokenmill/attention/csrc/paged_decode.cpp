@@ -19,6 +19,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -522,15 +523,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   auto out = at::empty(q.sizes(), q.options());
   const int64_t hq = q.size(1), dim = q.size(2), bs = k_cache.size(1), hk = k_cache.size(2);
   TORCH_CHECK(hq % hk == 0 && k_cache.size(3) == dim, "head shapes do not match");
-#ifdef TOKENMILL_DPBF16
-  if (q.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128)) {
-    auto kernel = dim == 64 ? decode_dpbf16<64> : decode_dpbf16<128>;
-    kernel(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-           tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), q.size(0), hq, hk,
-           bs, tables.size(1), static_cast<float>(scale), window);
+  if (q.scalar_type() == at::kBFloat16) {
+    tokenmill::paged_decode_bf16(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
+                                 q.stride(1), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                                 reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+                                 tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), q.size(0), hq, hk, dim, bs,
+                                 tables.size(1), static_cast<float>(scale), window);
     return out;
   }
-#endif
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto kernel = dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
@@ -540,7 +541,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<at::BFloat16*>(nullptr)); break;
     case at::kHalf: run(static_cast<at::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
@@ -548,6 +548,26 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 }
 
 }  // namespace
+
+void tokenmill::paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_stride, const uint16_t* kc,
+                                  const uint16_t* vc, const int32_t* tables, const int32_t* lens, uint16_t* out,
+                                  int64_t t, int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks,
+                                  float scale, int64_t window) {
+  using B = at::BFloat16;
+  const B* qb = reinterpret_cast<const B*>(q);
+  const B* kb = reinterpret_cast<const B*>(kc);
+  const B* vb = reinterpret_cast<const B*>(vc);
+  B* ob = reinterpret_cast<B*>(out);
+#ifdef TOKENMILL_DPBF16
+  if (dim == 64 || dim == 128) {
+    auto kernel = dim == 64 ? decode_dpbf16<64> : decode_dpbf16<128>;
+    kernel(qb, q_seq_stride, q_head_stride, kb, vb, tables, lens, ob, t, hq, hk, bs, max_blocks, scale, window);
+    return;
+  }
+#endif
+  auto kernel = dim == 64 ? decode<B, 64> : dim == 128 ? decode<B, 128> : decode<B, 0>;
+  kernel(qb, q_seq_stride, q_head_stride, kb, vb, tables, lens, ob, t, hq, hk, dim, bs, max_blocks, scale, window);
+}
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "

@@ -1,0 +1,27 @@
+// Raw-pointer entry points of kernels that decode_layers calls directly: at batch 1 the tensor
+// views, checks and dispatch around each call cost more than some of the kernels (~10 us a layer).
+// The registered ops take tensors, check them and call these same functions.
+#pragma once
+
+#include <cstdint>
+
+namespace tokenmill {
+
+// In place on t rows of heads x d bf16 values (row stride st, head stride sh, in elements):
+// x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [P, d] at positions pos[t]
+void rotary_rows(uint16_t* x, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh, const int64_t* pos,
+                 const uint16_t* cos, const uint16_t* sin);
+
+// Stores t rows of keys and values (row_bytes each, at row strides k_stride/v_stride bytes) at their cache
+// slots (caches of num_slots slots of row_bytes); checks each slot is in range
+void write_kv_rows(const char* k, const char* v, int64_t k_stride, int64_t v_stride, char* k_cache, char* v_cache,
+                   const int64_t* slots, int64_t t, int64_t row_bytes, int64_t num_slots);
+
+// decode attention of t bf16 query rows (row stride q_seq_stride, head stride q_head_stride) over the
+// paged caches [blocks, bs, hk, dim] -> out [t, hq, dim]
+void paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_stride, const uint16_t* kc,
+                       const uint16_t* vc, const int32_t* tables, const int32_t* lens, uint16_t* out, int64_t t,
+                       int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks, float scale,
+                       int64_t window);
+
+}  // namespace tokenmill
