@@ -33,6 +33,8 @@ def _run(model_dir: str, fused: bool, num_prompts: int, params: Any = None, coun
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="4MiB", device="cpu", **engine_args)
     model = llm.engine.core.executor.runner.model
     model.enable_fused_ops(OPS, decode_layers=fused)
+    if fused:  # every projection's GEMV is called by address, not through the op
+        assert model._gemv_ptrs.numel() == 4 * len(model.layers) and bool((model._gemv_ptrs != 0).all())
     counter = CountingOps(OPS, count)
     model.ops = counter
     prompts = random_prompts(num_prompts, 3, 40, seed=num_prompts)

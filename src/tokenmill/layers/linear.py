@@ -59,6 +59,13 @@ class PackedLinear(nn.Module):
             return y.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
+    def gemv_data_ptr(self) -> int:
+        """The packed weight's address, for C++ callers of the GEMV that skip the op's per-call lookup
+        (valid while this module lives), or 0 where the GEMV does not take this weight."""
+        if self.gemv_ops is None or not _is_ab16b64a2b(self.weight, self.out_features, self.in_features):
+            return 0
+        return int(torch.ops.mkldnn.data_ptr(self.weight))
+
 
 @torch.no_grad()
 def gemv_layout_ok(ops: Any) -> bool:

@@ -102,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dtype)
         self.ops: Any = None
         self._layer_weights: list[torch.Tensor] | None = None  # for ops.decode_layers, when it applies
+        self._gemv_ptrs = torch.empty(0, dtype=torch.int64)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -121,8 +122,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_args(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[Any, ...]:
         cfg = self.cfg
-        return (self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self.norm.weight, kv_caches,
-                meta.slot_mapping, meta.extra["decode_tables"], meta.extra["decode_lens"], cfg.num_heads,
+        return (self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self._gemv_ptrs, self.norm.weight,
+                kv_caches, meta.slot_mapping, meta.extra["decode_tables"], meta.extra["decode_lens"], cfg.num_heads,
                 cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, meta.sliding_window or 0,
                 GEMV_MAX_ROWS)
 
@@ -137,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         ids: torch.Tensor = self.ops.decode_greedy(
             input_ids, self.embed_tokens.weight, positions, *self._decode_args(kv_caches, meta), lm_head.weight,
-            lm_head.bias, GEMV_MAX_ROWS if lm_head.gemv_ops is not None else 0)
+            lm_head.bias, GEMV_MAX_ROWS if lm_head.gemv_ops is not None else 0, lm_head.gemv_data_ptr())
         return ids
 
     def enable_fused_ops(self, ops: Any, decode_layers: bool = True) -> None:
@@ -155,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.qk_norm or self.rotary.rot_dim != cfg.head_dim or self.rotary.cos_cache.dtype != torch.bfloat16:
             return None
         weights: list[torch.Tensor] = []
+        ptrs: list[int] = []  # the packed projections' addresses, for the GEMV decode_layers calls
         for layer in cast(list[DecoderLayer], list(self.layers)):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -163,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else self.norm.weight.new_empty(0)
             weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, qkv_bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            ptrs += [cast(PackedLinear, m).gemv_data_ptr() for m in linears]
+        self._gemv_ptrs = torch.tensor(ptrs, dtype=torch.int64)
         return weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,27 @@ struct Ops {
   c10::TypedOperatorHandle<ArgmaxRows> argmax_rows = find_op<ArgmaxRows>("tokenmill_cpu::argmax_rows");
 };
 
-// PackedLinear.forward's choice: tokenmill's GEMV up to gemv_rows rows, else oneDNN on the same packed weight
-at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, int64_t gemv_rows) {
-  if (x.size(0) <= gemv_rows) return op.gemv.call(x, w, bias);
+// PackedLinear.forward's choice: tokenmill's GEMV up to gemv_rows rows, else oneDNN on the same packed weight.
+// w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
+// checks and lookups (~1.5 us a call at batch 1); 0: through the op
+at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, int64_t gemv_rows,
+                  int64_t w_ptr) {
+  if (x.size(0) <= gemv_rows) {
+    if (w_ptr == 0) return op.gemv.call(x, w, bias);
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && w.size(1) == K, "decode_layers: bad GEMV");
+    const uint16_t* b = nullptr;
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                  "decode_layers: bias must be a contiguous bfloat16 [N]");
+      b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+    }
+    at::Tensor y = at::empty({M, N}, x.options());
+    tokenmill::packed_gemv_rows(reinterpret_cast<const uint16_t*>(w_ptr),
+                                reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, b,
+                                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    return y;
+  }
   static const c10::OperatorHandle onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, w, bias, c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(),
@@ -62,14 +80,18 @@ OptTensor bias_or_none(const at::Tensor& t) { return t.numel() ? OptTensor(t) : 
 // h: the embedded input rows [T, hidden] (bf16); it becomes the residual stream, updated in place as in
 // the Python loop. Returns the final norm of the last residual.
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, const at::Tensor& cos,
-                         const at::Tensor& sin, at::TensorList weights, const at::Tensor& final_norm,
-                         at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& sin, at::TensorList weights, const at::Tensor& gemv_ptrs,
+                         const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          double eps, double scale, int64_t window, int64_t gemv_rows) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER, "decode_layers: ", PER_LAYER,
               " weights per layer expected");
   TORCH_CHECK(h_in.dim() == 2 && h_in.is_contiguous(), "decode_layers: h must be contiguous [T, hidden]");
+  TORCH_CHECK(gemv_ptrs.numel() == 0 || (gemv_ptrs.scalar_type() == at::kLong && gemv_ptrs.is_contiguous() &&
+                                         gemv_ptrs.numel() == layers * 4),
+              "decode_layers: gemv_ptrs must be empty or int64 [layers * 4]");
+  const int64_t* wp = gemv_ptrs.numel() ? gemv_ptrs.data_ptr<int64_t>() : nullptr;
   const Ops& op = ops();
   const int64_t t = h_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_row = q_size + 2 * kv_size;
@@ -105,7 +127,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     } else {
       x = op.rms_norm.call(h, w[0], eps, OptTensor(residual));
     }
-    const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv_rows);
+    const int64_t* lp = wp ? wp + l * 4 : nullptr;  // this layer's qkv, o, gate_up and down addresses
+    const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv_rows, lp ? lp[0] : 0);
     auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
     uint16_t* k = q + q_size;
     const uint16_t* v = k + kv_size;
@@ -120,9 +143,10 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, block_tables.data_ptr<int32_t>(),
                                  seq_lens.data_ptr<int32_t>(), o_p, t, num_heads, num_kv_heads, head_dim, block_size,
                                  block_tables.size(1), static_cast<float>(scale), window);
-    h = linear(op, o, w[3], OptTensor(), gemv_rows);
+    h = linear(op, o, w[3], OptTensor(), gemv_rows, lp ? lp[1] : 0);
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
-    h = linear(op, op.silu_and_mul.call(linear(op, x, w[5], OptTensor(), gemv_rows)), w[6], OptTensor(), gemv_rows);
+    const at::Tensor gate_up = linear(op, x, w[5], OptTensor(), gemv_rows, lp ? lp[2] : 0);
+    h = linear(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv_rows, lp ? lp[3] : 0);
   }
   return op.rms_norm.call(h, final_norm, eps, OptTensor(residual));
 }
@@ -130,11 +154,12 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
 // input_ids [T] (int64) -> each row's greedy token [T] (int64): embedding, decode_layers, lm_head, argmax
 at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                         const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& gemv_ptrs, const at::Tensor& final_norm, at::TensorList kv_caches,
+                         const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
                          int64_t gemv_rows, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
-                         int64_t lm_head_gemv_rows) {
+                         int64_t lm_head_gemv_rows, int64_t lm_head_ptr) {
   // the embedding's rows, copied as at::embedding copies them (which cost ~25 us at batch 1 here)
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
@@ -148,22 +173,22 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
     std::memcpy(h.data_ptr<at::BFloat16>() + i * hidden, embed.data_ptr<at::BFloat16>() + ids[i] * hidden,
                 hidden * sizeof(at::BFloat16));
   }
-  const at::Tensor x = decode_layers(h, positions, cos, sin, weights, final_norm, kv_caches, slot_mapping,
+  const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches, slot_mapping,
                                      block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps, scale, window,
                                      gemv_rows);
-  return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv_rows));
+  return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv_rows, lm_head_ptr));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor final_norm, "
-        "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
-        "int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows) -> Tensor");
-  m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
+  m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor gemv_ptrs, "
         "Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows, "
-        "Tensor lm_head, Tensor? lm_head_bias, int lm_head_gemv_rows) -> Tensor");
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows) -> Tensor");
+  m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
+        "Tensor gemv_ptrs, Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows, "
+        "Tensor lm_head, Tensor? lm_head_bias, int lm_head_gemv_rows, int lm_head_ptr) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well

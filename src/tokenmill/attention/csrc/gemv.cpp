@@ -13,6 +13,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -94,16 +96,32 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "packed_gemv: weight and x disagree on K");
   TORCH_CHECK(weight.is_mkldnn(), "packed_gemv: the weight must be packed by mkldnn::_reorder_linear_weight");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const int64_t Np = (N + kBlockN - 1) / kBlockN * kBlockN, Kp = (K + kBlockK - 1) / kBlockK * kBlockK;
-  const uint16_t* w = packed_data(weight, Np * Kp * 2);
+  const uint16_t* w = packed_data(weight, tokenmill::packed_gemv_bytes(N, K));
   const uint16_t* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
                 "packed_gemv: bias must be a contiguous bfloat16 [N]");
     bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
   }
+  auto y = at::empty({M, N}, x.options());
+  tokenmill::packed_gemv_rows(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, bp,
+                              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  return y;
+}
+
+bool has_packed_gemv() { return true; }
+
+}  // namespace
+
+int64_t tokenmill::packed_gemv_bytes(int64_t N, int64_t K) {
+  return (N + kBlockN - 1) / kBlockN * kBlockN * ((K + kBlockK - 1) / kBlockK * kBlockK) * 2;
+}
+
+void tokenmill::packed_gemv_rows(const uint16_t* w, const uint16_t* xp, int64_t M, int64_t K, int64_t N,
+                                 const uint16_t* bp, uint16_t* yp) {
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "packed_gemv: 1 to ", kMaxRows, " rows, got ", M);
+  const int64_t Np = (N + kBlockN - 1) / kBlockN * kBlockN, Kp = (K + kBlockK - 1) / kBlockK * kBlockK;
   // the weight's K padding is zero; x's must be too (not garbage that could be NaN)
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   std::vector<uint16_t> xpad;
   int64_t ldx = K;
   if (Kp != K) {
@@ -112,8 +130,6 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
     xp = xpad.data();
     ldx = Kp;
   }
-  auto y = at::empty({M, N}, x.options());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, Np / kBlockN, 1, [&](int64_t nb0, int64_t nb1) {
     switch (M) {
       case 1: gemv_blocks<1>(w, xp, ldx, Kp, N, bp, yp, nb0, nb1); break;
@@ -123,12 +139,7 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
       default: break;
     }
   });
-  return y;
 }
-
-bool has_packed_gemv() { return true; }
-
-}  // namespace
 
 #else  // no AVX-512 BF16: callers keep oneDNN's kernel
 
@@ -141,6 +152,13 @@ at::Tensor packed_gemv(const at::Tensor&, const at::Tensor&, const c10::optional
 bool has_packed_gemv() { return false; }
 
 }  // namespace
+
+int64_t tokenmill::packed_gemv_bytes(int64_t, int64_t) { TORCH_CHECK(false, "built without AVX512-BF16"); }
+
+void tokenmill::packed_gemv_rows(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*,
+                                 uint16_t*) {
+  TORCH_CHECK(false, "packed_gemv: built without AVX512-BF16");
+}
 
 #endif
 

@@ -24,4 +24,11 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_s
                        int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks, float scale,
                        int64_t window);
 
+// bytes of a [N, K] bf16 weight packed by oneDNN as AB16b64a2b (N padded to 64, K to 32)
+int64_t packed_gemv_bytes(int64_t N, int64_t K);
+
+// y [M, N] = x [M, K] (M <= 4, contiguous) times the packed weight w, plus bias [N] if not null; all bf16
+void packed_gemv_rows(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* bias,
+                      uint16_t* y);
+
 }  // namespace tokenmill
