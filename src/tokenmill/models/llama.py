@@ -103,6 +103,9 @@ class LlamaForCausalLM(nn.Module):
         self.ops: Any = None
         self._layer_weights: list[torch.Tensor] | None = None  # for ops.decode_layers, when it applies
         self._gemv_ptrs = torch.empty(0, dtype=torch.int64)
+        self._decode_static: tuple[Any, ...] = ()
+        self._embed_weight: torch.Tensor | None = None
+        self._lm_head_args: tuple[Any, ...] | None = None  # for ops.decode_greedy, where the lm_head is packed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -121,10 +124,9 @@ class LlamaForCausalLM(nn.Module):
         return self._layer_weights is not None and meta.num_decodes == rows and "decode_tables" in meta.extra
 
     def _decode_args(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[Any, ...]:
-        cfg = self.cfg
-        return (self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self._gemv_ptrs, self.norm.weight,
-                kv_caches, meta.slot_mapping, meta.extra["decode_tables"], meta.extra["decode_lens"], cfg.num_heads,
-                cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, meta.sliding_window or 0,
+        cos, sin, weights, ptrs, norm, heads, kv_heads, head_dim, eps, scale = self._decode_static
+        return (cos, sin, weights, ptrs, norm, kv_caches, meta.slot_mapping, meta.extra["decode_tables"],
+                meta.extra["decode_lens"], heads, kv_heads, head_dim, eps, scale, meta.sliding_window or 0,
                 GEMV_MAX_ROWS)
 
     def decode_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -133,12 +135,10 @@ class LlamaForCausalLM(nn.Module):
         (ops.decode_greedy: embedding, decode_layers, lm_head, the sampler's argmax kernel); the same
         kernels as forward + compute_logits + Sampler.argmax, so the same tokens. None where it does
         not apply (the caller takes that path then)."""
-        lm_head = self.lm_head
-        if not isinstance(lm_head, PackedLinear) or not self.fused_decode(meta, input_ids.shape[0]):
+        if self._lm_head_args is None or not self.fused_decode(meta, input_ids.shape[0]):
             return None
-        ids: torch.Tensor = self.ops.decode_greedy(
-            input_ids, self.embed_tokens.weight, positions, *self._decode_args(kv_caches, meta), lm_head.weight,
-            lm_head.bias, GEMV_MAX_ROWS if lm_head.gemv_ops is not None else 0, lm_head.gemv_data_ptr())
+        ids: torch.Tensor = self.ops.decode_greedy(input_ids, self._embed_weight, positions,
+                                                   *self._decode_args(kv_caches, meta), *self._lm_head_args)
         return ids
 
     def enable_fused_ops(self, ops: Any, decode_layers: bool = True) -> None:
@@ -150,6 +150,17 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
         self.ops = ops
         self._layer_weights = self._decode_layer_weights() if decode_layers else None
+        # what every fused decode call passes, gathered once: module attribute lookups cost ~1 us each
+        cfg = self.cfg
+        self._decode_static = (self.rotary.cos_cache, self.rotary.sin_cache, self._layer_weights, self._gemv_ptrs,
+                               self.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                               cfg.head_dim**-0.5)
+        self._embed_weight = self.embed_tokens.weight
+        lm_head = self.lm_head
+        self._lm_head_args = None
+        if isinstance(lm_head, PackedLinear):
+            self._lm_head_args = (lm_head.weight, lm_head.bias, GEMV_MAX_ROWS if lm_head.gemv_ops is not None else 0,
+                                  lm_head.gemv_data_ptr())
 
     def _decode_layer_weights(self) -> list[torch.Tensor] | None:
         cfg = self.cfg
