@@ -65,6 +65,7 @@ def test_latency_bench_on_the_tiny_model(llama_dir: str, batch: int, tmp_path: P
     r = last_json(capsys)
     assert json.loads(out.read_text())["prefill_s"] == r["prefill_s"]
     assert (r["bench"], r["batch_size"], r["prompt_len"], r["gen"], r["threads"]) == ("latency", batch, 12, 5, 1)
+    assert isinstance(r["async_scheduling"], bool)  # the engine's choice, recorded
     assert len(r["prefill_s_runs"]) == len(r["decode_s_runs"]) == 2
     assert 0 < r["prefill_s"] < r["total_s"] and r["decode_s"] > 0
     assert r["decode_ms_per_tok"] == pytest.approx(r["decode_s"] / 4 * 1e3, rel=1e-2)

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         "engine": "tokenmill", "bench": "latency", "model": args.model, "threads": threads,
         "dtype": config.model.dtype, "device": device, "attention_backend": config.attention_backend,
         "batch_size": b, "prompt_len": args.input_len, "gen": args.output_len, "runs": args.runs,
-        "warmup": args.warmup, "prefill_s": round(prefill_s, 5),
+        "async_scheduling": config.scheduler.async_scheduling, "warmup": args.warmup, "prefill_s": round(prefill_s, 5),
         "prefill_tok_s": sig(b * args.input_len / prefill_s), "prefill_from": prefill_source,
         "decode_s": round(decode_s, 5), "decode_ms_per_tok": sig(step_s * 1e3),
         "decode_tok_s": sig(b / step_s), "total_s": round(total_s, 5),
