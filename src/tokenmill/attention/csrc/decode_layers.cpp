@@ -2,10 +2,11 @@
 //
 // At batch 1 a step's weights stream at memory speed in the GEMV, but Python spent ~1 ms per step
 // between the ~90 kernel calls of the layer loop (module calls, views, dispatch): about a sixth of
-// the step. This op runs the same loop in C++ and calls the very same kernels through the
-// dispatcher (rms_norm, packed_gemv or oneDNN's packed linear as PackedLinear picks them, rotary_,
-// write_kv_, paged_decode, silu_and_mul), in the same order on the same tensors, so its output is
-// bitwise the output of the Python loop; the Python loop stays the reference it is tested against.
+// the step. This op runs the same loop in C++ and calls the very same kernels (rms_norm, packed_gemv
+// or oneDNN's packed linear as PackedLinear picks them, rotary_, write_kv_, paged_decode,
+// silu_and_mul), in the same order on the same data, so its output is bitwise the output of the
+// Python loop; the Python loop stays the reference it is tested against. The GEMV and the attention
+// block's kernels are called by their raw entry points (kernels.h), the rest through the dispatcher.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -81,9 +82,10 @@ OptTensor bias_or_none(const at::Tensor& t) { return t.numel() ? OptTensor(t) : 
 // the Python loop. Returns the final norm of the last residual.
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::TensorList weights, const at::Tensor& gemv_ptrs,
-                         const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         double eps, double scale, int64_t window, int64_t gemv_rows) {
+                         const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
+                         int64_t gemv_rows) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER, "decode_layers: ", PER_LAYER,
               " weights per layer expected");
@@ -103,7 +105,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
               "decode_layers: positions and slot_mapping must be contiguous int64 [T]");
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && cos.is_contiguous() && sin.is_contiguous() &&
               cos.size(1) == head_dim, "decode_layers: cos/sin must be contiguous bfloat16 [P, head_dim]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.size(0) == t &&
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+              block_tables.size(0) == t &&
               seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == t,
               "decode_layers: block_tables [T, max_blocks] and seq_lens [T] must be contiguous int32");
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -155,10 +158,9 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
 at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                          const at::Tensor& gemv_ptrs, const at::Tensor& final_norm, at::TensorList kv_caches,
-                         const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
-                         int64_t gemv_rows, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         int64_t window, int64_t gemv_rows, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
                          int64_t lm_head_gemv_rows, int64_t lm_head_ptr) {
   // the embedding's rows, copied as at::embedding copies them (which cost ~25 us at batch 1 here)
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
@@ -173,9 +175,9 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
     std::memcpy(h.data_ptr<at::BFloat16>() + i * hidden, embed.data_ptr<at::BFloat16>() + ids[i] * hidden,
                 hidden * sizeof(at::BFloat16));
   }
-  const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches, slot_mapping,
-                                     block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps, scale, window,
-                                     gemv_rows);
+  const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches,
+                                     slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
+                                     scale, window, gemv_rows);
   return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv_rows, lm_head_ptr));
 }
 
@@ -187,8 +189,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows) -> Tensor");
   m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor gemv_ptrs, Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows, "
-        "Tensor lm_head, Tensor? lm_head_bias, int lm_head_gemv_rows, int lm_head_ptr) -> Tensor");
+        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
+        "int gemv_rows, Tensor lm_head, Tensor? lm_head_bias, int lm_head_gemv_rows, int lm_head_ptr) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
