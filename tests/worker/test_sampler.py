@@ -14,7 +14,16 @@ from tests.conftest import random_prompts
 from tests.fixtures import EOS, VOCAB, hf_logprobs
 from tokenmill import LLM, SamplingParams
 from tokenmill.outputs import PositionLogprobs
-from tokenmill.worker.sampler import Sampler, SamplingRow, apply_logit_processors, is_plain_greedy
+from tokenmill.worker import sampler as sampler_module
+from tokenmill.worker.sampler import (
+    FILTER_CANDIDATES,
+    Sampler,
+    SamplingRow,
+    apply_logit_processors,
+    filter_logits,
+    filter_logits_sorted,
+    is_plain_greedy,
+)
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005]  # sorted, so token i has rank i + 1
 LOGITS = [math.log(p) for p in PROBS]
@@ -122,6 +131,55 @@ def test_greedy_ignores_filters_and_noise() -> None:
     logits = torch.tensor([LOGITS[::-1], LOGITS])
     params = SamplingParams(temperature=0.0, top_k=3, top_p=0.1, min_p=0.9)
     assert Sampler()(logits, [row(params), row(params)]).token_ids == [7, 0]
+
+
+def big_vocab_logits(rows: int, vocab: int, sharpness: float, seed: int) -> torch.Tensor:
+    """Logits over a vocabulary past FILTER_CANDIDATES: sharpness 0 is flat (the nucleus spans most of
+    it), large is peaked (a trained model's: a few tokens hold the mass)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=gen) * (1 + sharpness) + torch.randn(rows, 1, generator=gen)
+
+
+# (top_k, top_p, min_p) per row: each filter alone, combined, and rows asking for nothing beside them
+FILTER_ROWS = [(0, 0.9, 0.0), (0, 0.5, 0.0), (40, 1.0, 0.0), (300, 0.95, 0.0), (0, 1.0, 0.1), (0, 1.0, 0.0),
+               (50, 0.8, 0.05), (0, 0.99, 0.01), (1, 1.0, 0.0), (100000, 0.7, 0.0)]
+
+
+@pytest.mark.parametrize(("sharpness", "sorts"), [(0.0, True), (2.0, None), (6.0, False)])
+def test_filter_from_the_top_candidates_matches_the_full_sort(sharpness: float, sorts: bool | None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = big_vocab_logits(len(FILTER_ROWS), 5000, sharpness, seed=int(sharpness))
+    top_k, top_p, min_p = (torch.tensor(c) for c in zip(*FILTER_ROWS, strict=True))
+    expected = filter_logits_sorted(logits, top_k, top_p, min_p)
+    fell_back = []
+    monkeypatch.setattr(sampler_module, "filter_logits_sorted",
+                        lambda *a: fell_back.append(True) or filter_logits_sorted(*a))
+    got = filter_logits(logits, top_k, top_p, min_p)
+    assert torch.equal(got, expected)  # the same survivors, with their logits; -inf elsewhere
+    # a flat distribution needs the full sort; a peaked one is settled from the top 300 (the largest
+    # top_k here) alone; in between it depends on the draw
+    if sorts is not None:
+        assert bool(fell_back) == sorts
+
+
+def test_filter_takes_the_top_candidates_alone_where_they_suffice(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = big_vocab_logits(3, 5000, 6.0, seed=3)
+    monkeypatch.setattr(sampler_module, "filter_logits_sorted", None)  # would fail if called
+    got = filter_logits(logits, torch.tensor([0, 20, 0]), torch.tensor([0.9, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.0]))
+    assert torch.equal(got[2], logits[2])  # a row asking for nothing keeps everything
+    assert int(torch.isfinite(got[1]).sum()) == 20
+    assert 0 < int(torch.isfinite(got[0]).sum()) <= FILTER_CANDIDATES
+
+
+def test_sampling_over_a_large_vocab_keeps_to_the_filtered_set_and_its_distribution() -> None:
+    torch.manual_seed(0)
+    vocab, n = 3000, 3000
+    logits = torch.full((vocab,), -30.0)
+    logits[[5, 17, 2999]] = torch.tensor([math.log(0.5), math.log(0.3), math.log(0.2)])  # ~all the mass
+    rows = [row(SamplingParams(temperature=1.0, top_p=0.75))] * n
+    drawn = Sampler()(logits.expand(n, vocab).clone(), rows).token_ids
+    assert set(drawn) == {5, 17}  # top-p 0.75 keeps 0.5 and 0.3: nothing else, ever
+    assert abs(drawn.count(5) / n - 0.5 / 0.8) < 0.03
 
 
 # ---- penalties and logit bias ----------------------------------------------------------------

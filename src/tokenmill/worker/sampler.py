@@ -1,8 +1,9 @@
 """Batched sampling: logit processors (min_tokens, logit_bias, penalties), greedy argmax,
 temperature / top-k / top-p / min-p, per-request seeded generators, and raw logprobs.
 
-Random sampling uses the exponential trick (argmax of p / Exp(1)), so a seeded request
-draws exactly one [vocab] vector from its own generator per step, whatever else runs.
+Random sampling inverts each row's CDF at one uniform draw, so a seeded request draws exactly
+one number from its own generator per step, whatever else runs. (It drew a [vocab] vector of
+Exp(1) noise before: 0.5 ms a row at a 32k vocabulary on this CPU, an eighth of a batch-1 step.)
 """
 
 from __future__ import annotations
@@ -73,21 +74,67 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], 
         logits -= p.presence_penalty * (out_counts > 0).to(logits.dtype)
 
 
+# top-k / top-p / min-p first take this many candidates per row by topk and sort no further when
+# that provably holds every token that survives; else the whole vocabulary is sorted (2 ms a row
+# at 32k here, against 0.05 ms for the topk)
+FILTER_CANDIDATES = 256
+
+
+def drop_by_mass(probs: torch.Tensor, drop: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Over rows of probabilities sorted highest first: add to drop (in place) what top-p and min-p
+    exclude; never the first."""
+    cum_before = probs.cumsum(dim=-1) - probs
+    drop |= cum_before >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+
+
+def asks_filter(top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rows whose filters exclude anything at all (a top_k of the vocabulary or more excludes nothing)."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k, nucleus top-p and min-p sets.
-    top_k 0 = off. The highest-probability token always survives."""
+    """Mask (to -inf) everything outside each row's top-k, nucleus top-p and min-p sets (top-p and
+    min-p over the top-k renormalized). top_k 0 = off. The highest-probability token always survives.
+    The same sets as filter_logits_sorted, from the top candidates alone where they suffice."""
+    vocab = logits.shape[-1]
+    has_k = (top_k > 0) & (top_k < vocab)
+    needs = asks_filter(top_k, top_p, min_p, vocab)
+    k_eff = torch.where(has_k, top_k, vocab)
+    n = min(vocab, max(FILTER_CANDIDATES, int(k_eff[has_k].max()) if bool(has_k.any()) else 0))
+    if n >= vocab:
+        return filter_logits_sorted(logits, top_k, top_p, min_p)
+    vals, order = logits.topk(n, dim=-1)  # sorted, highest first
+    drop = torch.arange(n, device=logits.device)[None, :] >= k_eff[:, None]
+    masked = vals.masked_fill(drop, float("-inf"))
+    # each row's probabilities as the full sort has them: over its top k, or over the whole vocabulary
+    lse = torch.where(has_k[:, None], masked.logsumexp(dim=-1, keepdim=True), logits.logsumexp(dim=-1, keepdim=True))
+    probs = (masked - lse).exp()
+    drop_by_mass(probs, drop, top_p, min_p)
+    # every token past the candidates is dropped as well where: the row's top k lies within them, or
+    # they hold top_p of the mass already, or min-p drops the last of them (so all below it)
+    covered = ~needs | has_k | (probs.sum(dim=-1) >= top_p) | (probs[:, -1] < min_p * probs[:, 0])
+    if not bool(covered.all()):
+        return filter_logits_sorted(logits, top_k, top_p, min_p)
+    out = torch.full_like(logits, float("-inf")).scatter_(-1, order, vals.masked_fill(drop, float("-inf")))
+    return torch.where(needs[:, None], out, logits)
+
+
+def filter_logits_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         min_p: torch.Tensor) -> torch.Tensor:
+    """filter_logits by sorting each whole row: the reference, and the path where the top
+    candidates do not suffice. A row that asks for no filter keeps its logits as they are."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     drop = ranks >= k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    cum_before = probs.cumsum(dim=-1) - probs
-    drop |= cum_before >= top_p[:, None]
-    drop |= probs < min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False
+    drop_by_mass(probs, drop, top_p, min_p)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    out = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return torch.where(asks_filter(top_k, top_p, min_p, vocab)[:, None], out, logits)
 
 
 def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[LogprobEntry]:
@@ -158,10 +205,15 @@ class Sampler:
         if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
             scaled = filter_logits(scaled, top_k, top_p, min_p)
         probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        # inverse CDF: the first token whose cumulative probability passes u * total (float64, so
+        # that a token of probability 0, filtered out, is never the one; the greedy token guards
+        # the last-bit case of u * total rounding up to total)
+        cdf = probs.double().cumsum(dim=-1)
+        u = torch.rand(len(rows), 1, dtype=torch.float64, device=dev)
         for i, row in enumerate(rows):
             if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, dtype=torch.float64, generator=row.generator, device=dev)
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
+        sampled = torch.where(probs.gather(1, sampled) > 0, sampled, greedy[:, None])[:, 0]
         is_greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
         return torch.where(is_greedy, greedy, sampled)
