@@ -113,7 +113,9 @@ def test_async_scheduling_default_wants_a_cpu_of_its_own(monkeypatch: pytest.Mon
 
 
 def test_async_scheduling_flag_overrides_the_default(llama_dir: str) -> None:
+    # on the CPU (a GPU's default is on): more compute threads than CPUs leave none for scheduling
     for flag in (True, False):
-        cfg = EngineArgs(llama_dir, num_threads=4096, async_scheduling=flag).create_engine_config()
+        cfg = EngineArgs(llama_dir, device="cpu", num_threads=4096, async_scheduling=flag).create_engine_config()
         assert cfg.scheduler.async_scheduling is flag
-    assert not EngineArgs(llama_dir, num_threads=4096).create_engine_config().scheduler.async_scheduling
+    cfg = EngineArgs(llama_dir, device="cpu", num_threads=4096).create_engine_config()
+    assert not cfg.scheduler.async_scheduling
