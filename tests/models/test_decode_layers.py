@@ -74,6 +74,26 @@ def test_decode_greedy_matches_the_python_path(model_dirs: dict[str, str], name:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_greedy_through_preemption(model_dirs: dict[str, str], async_scheduling: bool) -> None:
+    # 12 blocks of 8 tokens for 9 prompts: requests are preempted and resumed between fused steps
+    prompts = random_prompts(9, 3, 40, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs, calls = [], []
+    for fused in (True, False):
+        llm = LLM(model_dirs["llama-gqa4-untied"], dtype="bfloat16", device="cpu", num_kv_blocks=12, block_size=8,
+                  max_model_len=96, async_scheduling=async_scheduling)
+        model = llm.engine.core.executor.runner.model
+        model.enable_fused_ops(OPS, decode_layers=fused)
+        model.ops = counter = CountingOps(OPS, "decode_greedy")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        calls.append(counter.calls)
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.kv.num_free_blocks == 12
+    assert calls[0] > 20 and calls[1] == 0
+    assert outs[0] == outs[1]
+
+
 def test_decode_greedy_is_not_taken_for_sampled_rows(model_dirs: dict[str, str]) -> None:
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)]
