@@ -74,8 +74,8 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], 
         logits -= p.presence_penalty * (out_counts > 0).to(logits.dtype)
 
 
-# top-k / top-p / min-p first take this many candidates per row by topk and sort no further when
-# that provably holds every token that survives; else the whole vocabulary is sorted (2 ms a row
+# top-k / top-p / min-p first take this many candidates per row by topk and sort no further where
+# they provably hold every token that survives; other rows sort their whole vocabulary (2 ms a row
 # at 32k here, against 0.05 ms for the topk)
 FILTER_CANDIDATES = 256
 
@@ -115,10 +115,12 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     # every token past the candidates is dropped as well where: the row's top k lies within them, or
     # they hold top_p of the mass already, or min-p drops the last of them (so all below it)
     covered = ~needs | has_k | (probs.sum(dim=-1) >= top_p) | (probs[:, -1] < min_p * probs[:, 0])
-    if not bool(covered.all()):
-        return filter_logits_sorted(logits, top_k, top_p, min_p)
     out = torch.full_like(logits, float("-inf")).scatter_(-1, order, vals.masked_fill(drop, float("-inf")))
-    return torch.where(needs[:, None], out, logits)
+    out = torch.where(needs[:, None], out, logits)
+    if not bool(covered.all()):  # the rows whose survivors may lie past the candidates: sorted whole
+        rest = (~covered).nonzero()[:, 0]
+        out[rest] = filter_logits_sorted(logits[rest], top_k[rest], top_p[rest], min_p[rest])
+    return out
 
 
 def filter_logits_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
