@@ -170,7 +170,19 @@ def test_filter_takes_the_top_candidates_alone_where_they_suffice(monkeypatch: p
     got = filter_logits(logits, torch.tensor([0, 20, 0]), torch.tensor([0.9, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.0]))
     assert torch.equal(got[2], logits[2])  # a row asking for nothing keeps everything
     assert int(torch.isfinite(got[1]).sum()) == 20
-    assert 0 < int(torch.isfinite(got[0]).sum()) <= FILTER_CANDIDATES
+    assert 0 < int(torch.isfinite(got[0]).sum()) <= FILTER_CANDIDATES[0]
+
+
+def test_filter_widens_the_candidates_before_it_sorts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a nucleus of ~900 tokens: past the first candidates, within the second
+    logits = torch.full((2, 5000), -20.0)
+    logits[:, :1000] = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5)) * 0.1
+    top_k, top_p, min_p = torch.tensor([0, 0]), torch.tensor([0.9, 0.95]), torch.tensor([0.0, 0.0])
+    expected = filter_logits_sorted(logits, top_k, top_p, min_p)
+    monkeypatch.setattr(sampler_module, "filter_logits_sorted", None)  # would fail if called
+    got = filter_logits(logits, top_k, top_p, min_p)
+    assert torch.equal(got, expected)
+    assert FILTER_CANDIDATES[0] < int(torch.isfinite(got[0]).sum()) < FILTER_CANDIDATES[1]
 
 
 def test_sampling_over_a_large_vocab_keeps_to_the_filtered_set_and_its_distribution() -> None:
