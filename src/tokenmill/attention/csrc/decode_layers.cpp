@@ -46,19 +46,8 @@ at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const
                   int64_t w_ptr) {
   if (x.size(0) <= gemv_rows) {
     if (w_ptr == 0) return op.gemv.call(x, w, bias);
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && w.size(1) == K, "decode_layers: bad GEMV");
-    const uint16_t* b = nullptr;
-    if (bias.has_value()) {
-      TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                  "decode_layers: bias must be a contiguous bfloat16 [N]");
-      b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-    }
-    at::Tensor y = at::empty({M, N}, x.options());
-    tokenmill::packed_gemv_rows(reinterpret_cast<const uint16_t*>(w_ptr),
-                                reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, b,
-                                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
-    return y;
+    TORCH_CHECK(w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1), "decode_layers: weight and x disagree on K");
+    return tokenmill::packed_gemv_at(reinterpret_cast<const uint16_t*>(w_ptr), x, w.size(0), bias);
   }
   static const c10::OperatorHandle onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

@@ -28,6 +28,8 @@ namespace {
 constexpr int64_t kBlockN = 64, kBlockK = 32;
 constexpr int64_t kMaxRows = 4;
 
+constexpr int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
+
 // the raw buffer of an opaque oneDNN tensor, through the mkldnn ops torch registers for that
 const uint16_t* packed_data(const at::Tensor& w, int64_t expected_bytes) {
   static auto data_ptr = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "")
@@ -90,13 +92,25 @@ void gemv_blocks(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, 
 // x [M, K] bf16 (M <= 4), weight packed by mkldnn::_reorder_linear_weight for a [N, K] weight,
 // bias [N] bf16 or none -> [M, N] bf16
 at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && x.dim() == 2 && weight.size(1) == x.size(1),
+              "packed_gemv: weight and x disagree on K");
+  TORCH_CHECK(weight.is_mkldnn(), "packed_gemv: the weight must be packed by mkldnn::_reorder_linear_weight");
+  const int64_t N = weight.size(0);
+  return tokenmill::packed_gemv_at(packed_data(weight, tokenmill::packed_gemv_bytes(N, x.size(1))), x, N, bias);
+}
+
+bool has_packed_gemv() { return true; }
+
+}  // namespace
+
+int64_t tokenmill::packed_gemv_bytes(int64_t N, int64_t K) { return padded(N, kBlockN) * padded(K, kBlockK) * 2; }
+
+at::Tensor tokenmill::packed_gemv_at(const uint16_t* w, const at::Tensor& x, int64_t N,
+                                     const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "packed_gemv: x must be a contiguous 2-D bfloat16 tensor");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "packed_gemv: at most ", kMaxRows, " rows, got ", x.size(0));
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "packed_gemv: weight and x disagree on K");
-  TORCH_CHECK(weight.is_mkldnn(), "packed_gemv: the weight must be packed by mkldnn::_reorder_linear_weight");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const uint16_t* w = packed_data(weight, tokenmill::packed_gemv_bytes(N, K));
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "packed_gemv: 1 to ", kMaxRows, " rows, got ", M);
   const uint16_t* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
@@ -104,23 +118,9 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
     bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
   }
   auto y = at::empty({M, N}, x.options());
-  tokenmill::packed_gemv_rows(w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, bp,
-                              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
-  return y;
-}
-
-bool has_packed_gemv() { return true; }
-
-}  // namespace
-
-int64_t tokenmill::packed_gemv_bytes(int64_t N, int64_t K) {
-  return (N + kBlockN - 1) / kBlockN * kBlockN * ((K + kBlockK - 1) / kBlockK * kBlockK) * 2;
-}
-
-void tokenmill::packed_gemv_rows(const uint16_t* w, const uint16_t* xp, int64_t M, int64_t K, int64_t N,
-                                 const uint16_t* bp, uint16_t* yp) {
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "packed_gemv: 1 to ", kMaxRows, " rows, got ", M);
-  const int64_t Np = (N + kBlockN - 1) / kBlockN * kBlockN, Kp = (K + kBlockK - 1) / kBlockK * kBlockK;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int64_t Np = padded(N, kBlockN), Kp = padded(K, kBlockK);
   // the weight's K padding is zero; x's must be too (not garbage that could be NaN)
   std::vector<uint16_t> xpad;
   int64_t ldx = K;
@@ -139,6 +139,7 @@ void tokenmill::packed_gemv_rows(const uint16_t* w, const uint16_t* xp, int64_t 
       default: break;
     }
   });
+  return y;
 }
 
 #else  // no AVX-512 BF16: callers keep oneDNN's kernel
@@ -155,8 +156,7 @@ bool has_packed_gemv() { return false; }
 
 int64_t tokenmill::packed_gemv_bytes(int64_t, int64_t) { TORCH_CHECK(false, "built without AVX512-BF16"); }
 
-void tokenmill::packed_gemv_rows(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*,
-                                 uint16_t*) {
+at::Tensor tokenmill::packed_gemv_at(const uint16_t*, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "packed_gemv: built without AVX512-BF16");
 }
 

@@ -1,7 +1,10 @@
-// Raw-pointer entry points of kernels that decode_layers calls directly: at batch 1 the tensor
+// Entry points of kernels that decode_layers calls directly, by raw pointers: at batch 1 the tensor
 // views, checks and dispatch around each call cost more than some of the kernels (~10 us a layer).
 // The registered ops take tensors, check them and call these same functions.
 #pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 
@@ -27,8 +30,9 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_s
 // bytes of a [N, K] bf16 weight packed by oneDNN as AB16b64a2b (N padded to 64, K to 32)
 int64_t packed_gemv_bytes(int64_t N, int64_t K);
 
-// y [M, N] = x [M, K] (M <= 4, contiguous) times the packed weight w, plus bias [N] if not null; all bf16
-void packed_gemv_rows(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* bias,
-                      uint16_t* y);
+// x [M, K] (M <= 4, contiguous) times the packed [N, K] weight at w, plus bias [N]: [M, N]; all bf16.
+// Checks x and bias; w is trusted (the op checks its packed size, decode_layers gets it from
+// PackedLinear.gemv_data_ptr, which does)
+at::Tensor packed_gemv_at(const uint16_t* w, const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias);
 
 }  // namespace tokenmill
