@@ -8,8 +8,12 @@ WORKLOAD is a `make_workload.py` file, read as `bench throughput --dataset` read
 faults the KV pool in and warms everything up; the prefix cache is emptied, and the second run
 is measured as `tokenmill bench throughput` measures its later runs (greedy, EOS ignored). Prints
 the top kernels by self time under the torch profiler, then, from a third run without the
-profiler, the wall time of each engine stage (stages nest: execute_model holds model.forward and
-the sampling, core.step holds schedule, execute_model and update_from_output).
+profiler, the wall time of each engine stage (stages nest: prepare + execute hold model.forward,
+decode_greedy and the sampling; core.step holds schedule and update_from_output).
+
+The engine runs synchronously here unless --async-scheduling is given: the profiler records the ops
+of the thread that started it, and with async scheduling the steps run on the worker thread, so
+its kernel table would be empty. Synchronous steps run the same kernels.
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ def main() -> None:
     p.add_argument("--num", type=int, default=256, help="requests from the start of the workload")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=16, help="kernels to list")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="run steps on the worker thread (the kernel table then misses them)")
     args = p.parse_args()
 
     prompts, params = generate_inputs(load_jsonl(args.workload)[: args.num], ignore_eos=True)
-    llm = LLM(model=args.model, num_threads=args.threads)
+    llm = LLM(model=args.model, num_threads=args.threads, async_scheduling=args.async_scheduling)
 
     def run() -> tuple[float, int]:
         llm.engine.reset_prefix_cache()
@@ -73,7 +79,8 @@ def main() -> None:
     stages = ((engine, "step", "LLMEngine.step"), (engine.output_processor, "process", "output processing"),
               (core, "step", "core.step"), (core.scheduler, "schedule", "schedule"),
               (core.scheduler, "update_from_output", "update_from_output"),
-              (runner, "execute_model", "execute_model"), (runner.model, "forward", "model.forward"),
+              (runner, "prepare", "prepare (inputs)"), (runner, "execute", "execute"),
+              (runner.model, "forward", "model.forward"), (runner.model, "decode_greedy", "decode_greedy"),
               (runner, "_sample", "sampling (lm_head included)"), (runner.model, "compute_logits", "lm_head"))
     for obj, name, label in stages:
         timed(totals, obj, name, label)
