@@ -29,7 +29,8 @@ import torch
 
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 
-CASES = {"hot": (8, 256, 1, False), "scattered": (256, 400, 8, False), "contiguous": (256, 400, 8, True)}
+# name: (sequences, longest context, layers, contiguous blocks, passes per timing)
+CASES = {"hot": (8, 256, 1, False, 32), "scattered": (256, 400, 8, False, 1), "contiguous": (256, 400, 8, True, 1)}
 
 
 def build(batch: int, context: int, layers: int, contiguous: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -62,19 +63,19 @@ def main() -> None:
         raise SystemExit("the C++ CPU kernels could not be built here")
     torch.set_num_threads(args.threads)
     scale = args.head_dim ** -0.5
-    for name, (batch, context, layers, contiguous) in CASES.items():
+    for name, (batch, context, layers, contiguous, passes) in CASES.items():
         case = build(batch, context, layers, contiguous, args)
-        read = int(case["lens"].sum()) * args.kv_heads * args.head_dim * 2 * 2 * layers  # K and V, bf16
+        read = int(case["lens"].sum()) * args.kv_heads * args.head_dim * 2 * 2 * layers * passes  # K and V, bf16
 
-        def run(case: dict[str, Any] = case) -> float:
+        def run(case: dict[str, Any] = case, passes: int = passes) -> float:
             start = time.perf_counter()
-            for cache in case["caches"]:
+            for cache in case["caches"] * passes:
                 ops.paged_decode(case["q"], cache[0], cache[1], case["tables"], case["lens"], scale, 0)
             return time.perf_counter() - start
 
         run()
         seconds = statistics.median(run() for _ in range(args.reps))
-        print(f"{name:11s} {batch:4d} seqs x {context // 2}-{context} tokens x {layers} layers: "
+        print(f"{name:11s} {batch:4d} seqs x {context // 2}-{context} tokens x {layers} layers x {passes} passes: "
               f"{read / 2**20:8.1f} MiB in {seconds * 1e3:7.2f} ms = {read / seconds / 1e9:5.1f} GB/s")
 
 
