@@ -7,7 +7,7 @@ Usage (from the repository root)::
 Three cases, the 100M model's attention shape (12 query heads, 4 kv heads, head size 64, blocks of
 16 tokens) unless told otherwise:
 
-- ``hot``: 8 sequences of 128-256 tokens, one layer (~2 MB of KV, held in L2/L3): the kernel's own
+- ``hot``: 8 sequences of 128-256 tokens, one layer, 32 passes (~1.4 MiB of KV, held in L2/L3): the kernel's own
   speed, with memory out of the way;
 - ``scattered``: 256 sequences of 200-400 tokens over 8 layers (~1.6 GB), blocks at random places in
   the pool, as a long-running engine hands them out;
@@ -15,7 +15,7 @@ Three cases, the 100M model's attention shape (12 query heads, 4 kv heads, head 
 
 Compare the figures with `tokenmill bench roofline`'s ``mem_read_GBps`` (a sequential read): the
 gap between ``hot`` and that says whether the kernel is compute-bound, the gap between ``scattered`` and
-``contiguous`` what scattered blocks cost. Medians of --reps passes over the layers.
+``contiguous`` what scattered blocks cost. Medians of --reps timings.
 """
 
 from __future__ import annotations
