@@ -1,5 +1,5 @@
-"""The packed oneDNN linear (CPU bf16 fast path) and the C++ GEMV it uses for 1-4 rows, against
-plain nn.Linear, their reference."""
+"""The packed oneDNN linear (CPU bf16 fast path) and the C++ GEMV it uses where that is faster (1-4
+rows; any number of rows for K up to 2048, in tiles), against plain nn.Linear, their reference."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
-from tokenmill.layers.linear import GEMV_MAX_ROWS, PackedLinear, gemv_layout_ok, pack_linears, packing_available
+from tokenmill.layers.linear import PackedLinear, gemv_layout_ok, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
 
@@ -53,6 +53,9 @@ class CountingOps:
         self.calls += 1
         return self.ops.packed_gemv(x, weight, bias)
 
+    def packed_gemv_max_rows(self, in_features: int) -> int:
+        return int(self.ops.packed_gemv_max_rows(in_features))
+
 
 def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ...], bias: bool) -> int:
     """Runs a GEMV-enabled PackedLinear against nn.Linear in float; returns how often it took the GEMV."""
@@ -61,7 +64,8 @@ def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ..
     x = torch.randn(*shape, in_features, dtype=torch.bfloat16)
     expected = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
     packed = PackedLinear(lin)
-    packed.gemv_ops = ops = CountingOps(OPS)
+    ops = CountingOps(OPS)
+    packed.enable_gemv(ops)
     got = packed(x)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     # fp32 accumulation, one bf16 rounding: within a bf16 ulp of the exact product
@@ -71,24 +75,65 @@ def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ..
 
 @needs_gemv
 @pytest.mark.parametrize("out_features,in_features", [(70, 33), (200, 96), (64, 32), (5, 1)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 64, 301])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_reference(out_features: int, in_features: int, rows: int, bias: bool) -> None:
-    calls = _gemv_vs_reference(out_features, in_features, (rows,), bias)
-    assert calls == (1 if rows <= GEMV_MAX_ROWS else 0)  # 5 rows: oneDNN
+    """1-4 rows take the GEMV's row loop, more take its tiles of 6 (full tiles and every tail size)."""
+    assert _gemv_vs_reference(out_features, in_features, (rows,), bias) == 1
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows,gemv", [(1, True), (4, True), (5, False), (64, False)])
+def test_gemv_leaves_large_k_beyond_four_rows_to_onednn(rows: int, gemv: bool) -> None:
+    """K past 2048 (padded): the weight block no longer fits L2 beside the next one, so oneDNN takes
+    more than 4 rows."""
+    assert OPS.packed_gemv_max_rows(2080) == 4 and OPS.packed_gemv_max_rows(2048) > 2**40
+    assert _gemv_vs_reference(70, 2080, (rows,), bias=True) == int(gemv)
 
 
 @needs_gemv
 @pytest.mark.parametrize("out_features", [1280, 32000])
+@pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_model_shapes(out_features: int, bias: bool) -> None:
-    assert _gemv_vs_reference(out_features, 768, (1,), bias) == 1
+def test_gemv_model_shapes(out_features: int, rows: int, bias: bool) -> None:
+    assert _gemv_vs_reference(out_features, 768, (rows,), bias) == 1
 
 
 @needs_gemv
-@pytest.mark.parametrize("shape,gemv", [((1, 1), True), ((2, 2), True), ((4, 1), True), ((2, 3), False)])
-def test_gemv_leading_dims(shape: tuple[int, ...], gemv: bool) -> None:
-    assert _gemv_vs_reference(200, 96, shape, bias=True) == int(gemv)
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [3, 50])
+def test_gemv_threads_split_the_blocks(threads: int, rows: int) -> None:
+    """Threads take ranges of 64-output blocks (each prefetching only within its range): the same
+    numbers as one thread, bitwise."""
+    torch.manual_seed(rows)
+    lin = nn.Linear(160, 330).to(torch.bfloat16)
+    x = torch.randn(rows, 160, dtype=torch.bfloat16)
+    packed = PackedLinear(lin)
+    packed.enable_gemv(OPS)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed(x)
+        torch.set_num_threads(threads)
+        many = packed(x)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(many, one, rtol=0, atol=0)
+    expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    torch.testing.assert_close(one.float(), expected, rtol=2**-7, atol=1e-4)
+
+
+@needs_gemv
+def test_gemv_takes_no_rows() -> None:
+    packed = PackedLinear(nn.Linear(96, 200).to(torch.bfloat16))
+    packed.enable_gemv(OPS)
+    assert packed(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 200)
+
+
+@needs_gemv
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (4, 1), (2, 3), (5, 7)])
+def test_gemv_leading_dims(shape: tuple[int, ...]) -> None:
+    assert _gemv_vs_reference(200, 96, shape, bias=True) == 1
 
 
 @pytest.mark.skipif(not HAS_GEMV, reason="no AVX512-BF16 packed GEMV")

@@ -5,9 +5,11 @@ of decode that costs more than the multiply itself (6-8x slower at batch 1 here)
 load time gives the same numbers (bitwise, in bf16) at close to memory bandwidth. The plain
 `nn.Linear` stays the reference path, and the one used for float32 and on CUDA.
 
-For decode's 1-4 rows, tokenmill's own GEMV (csrc/gemv.cpp) reads the same packed weight 1.05-1.4x
-faster than oneDNN; it relies on oneDNN's packed layout, so `pack_linears` checks that layout
-once before turning it on.
+tokenmill's own kernel (csrc/gemv.cpp, "the GEMV") multiplies by the same packed weight: for decode's
+1-4 rows it reads the weight 1.05-1.4x faster than oneDNN, and for more rows it prefetches the next
+block of the weight while it works on one, 1.03-1.2x faster than oneDNN on the 100M model's shapes
+(up to 1.35x on its lm_head at 2048 rows), one thread. It relies on oneDNN's packed layout, so
+`pack_linears` checks that layout once before turning it on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
-GEMV_MAX_ROWS = 4  # the most rows ops.packed_gemv takes
+GEMV_PROBE_ROWS = (1, 4, 13)  # the GEMV's paths: one row, its most rows without tiles, tiles of 6 and a tail
 
 
 class Linear(nn.Linear):
@@ -50,10 +52,17 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.gemv_ops: Any = None  # set by pack_linears once the packed layout is verified
+        self.gemv_ops: Any = None  # set by enable_gemv once the packed layout is verified
+        self.gemv_max_rows = 0
+
+    def enable_gemv(self, ops: Any) -> None:
+        """Take ops.packed_gemv for as many rows as it is the faster kernel for (up to
+        ops.packed_gemv_max_rows(in_features)), oneDNN beyond."""
+        self.gemv_ops = ops
+        self.gemv_max_rows = int(ops.packed_gemv_max_rows(self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_ops is not None and x.numel() <= GEMV_MAX_ROWS * self.in_features:
+        if self.gemv_ops is not None and x.numel() <= self.gemv_max_rows * self.in_features:
             rows = x.reshape(-1, self.in_features).contiguous()
             y = self.gemv_ops.packed_gemv(rows, self.weight, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
@@ -70,7 +79,7 @@ class PackedLinear(nn.Module):
 @torch.no_grad()
 def gemv_layout_ok(ops: Any) -> bool:
     """Whether ops.packed_gemv, which decodes oneDNN's packed layout itself, matches F.linear on
-    this machine's oneDNN: awkward shapes (padding in N and K) and aligned ones, 1 and 4 rows."""
+    this machine's oneDNN: awkward shapes (padding in N and K) and aligned ones, at GEMV_PROBE_ROWS."""
     gen = torch.Generator().manual_seed(0)
     for out_features, in_features in ((70, 33), (128, 64), (200, 96)):
         lin = Linear(in_features, out_features, dtype=torch.bfloat16)  # no init: leaves torch's RNG alone
@@ -79,7 +88,7 @@ def gemv_layout_ok(ops: Any) -> bool:
         packed = PackedLinear(lin)
         if not _is_ab16b64a2b(packed.weight, out_features, in_features):
             return False
-        for rows in (1, GEMV_MAX_ROWS):
+        for rows in GEMV_PROBE_ROWS:
             x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
             expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
             got = ops.packed_gemv(x, packed.weight, packed.bias).float()
@@ -100,7 +109,7 @@ def _is_ab16b64a2b(weight: torch.Tensor, out_features: int, in_features: int) ->
 
 def pack_linears(model: nn.Module, ops: Any = None) -> int:
     """Swap every bf16 CPU nn.Linear in model for a PackedLinear; returns how many. With ops (the
-    C++ CPU kernels) the layers take their GEMV for up to GEMV_MAX_ROWS rows, if it checks out."""
+    C++ CPU kernels) the layers take their GEMV where it is faster, if it checks out."""
     if not packing_available():
         logger.info("oneDNN weight packing unavailable; using plain linear layers")
         return 0
@@ -112,20 +121,21 @@ def pack_linears(model: nn.Module, ops: Any = None) -> int:
     gemv_ops = ops if ops is not None and _gemv_usable(ops) else None
     for parent, name in targets:
         packed = PackedLinear(getattr(parent, name))
-        packed.gemv_ops = gemv_ops
+        if gemv_ops is not None:
+            packed.enable_gemv(gemv_ops)
         setattr(parent, name, packed)
     return len(targets)
 
 
 def _gemv_usable(ops: Any) -> bool:
     if not ops.has_packed_gemv():
-        logger.info("packed GEMV not built (no AVX512-BF16); using oneDNN for small batches")
+        logger.info("packed GEMV not built (no AVX512-BF16); using oneDNN")
         return False
     try:
         ok = gemv_layout_ok(ops)
     except RuntimeError as e:  # e.g. the packed buffer is not the size the layout implies
-        logger.info("packed GEMV check failed (%s); using oneDNN for small batches", e)
+        logger.info("packed GEMV check failed (%s); using oneDNN", e)
         return False
     if not ok:
-        logger.info("oneDNN's packed weight layout is not the one the GEMV reads; using oneDNN for small batches")
+        logger.info("oneDNN's packed weight layout is not the one the GEMV reads; using oneDNN")
     return ok

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, write_kv
-from tokenmill.layers.linear import GEMV_MAX_ROWS, Embedding, Linear, PackedLinear
+from tokenmill.layers.linear import Embedding, Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.arch import ArchConfig
@@ -126,8 +126,7 @@ class LlamaForCausalLM(nn.Module):
     def _decode_args(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[Any, ...]:
         cos, sin, weights, ptrs, norm, heads, kv_heads, head_dim, eps, scale = self._decode_static
         return (cos, sin, weights, ptrs, norm, kv_caches, meta.slot_mapping, meta.extra["decode_tables"],
-                meta.extra["decode_lens"], heads, kv_heads, head_dim, eps, scale, meta.sliding_window or 0,
-                GEMV_MAX_ROWS)
+                meta.extra["decode_lens"], heads, kv_heads, head_dim, eps, scale, meta.sliding_window or 0, True)
 
     def decode_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       meta: AttentionMetadata) -> torch.Tensor | None:
@@ -143,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_fused_ops(self, ops: Any, decode_layers: bool = True) -> None:
         """Route bf16 norms, rotary, SiLU-and-mul and KV-cache writes through fused C++ kernels; and,
-        where every projection is packed (and takes the GEMV for up to GEMV_MAX_ROWS rows), run
+        where every projection is packed (and takes the GEMV where PackedLinear would), run
         pure-decode steps through ops.decode_layers (the whole layer loop in one call)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, Attention)):
@@ -159,8 +158,7 @@ class LlamaForCausalLM(nn.Module):
         lm_head = self.lm_head
         self._lm_head_args = None
         if isinstance(lm_head, PackedLinear):
-            self._lm_head_args = (lm_head.weight, lm_head.bias, GEMV_MAX_ROWS if lm_head.gemv_ops is not None else 0,
-                                  lm_head.gemv_data_ptr())
+            self._lm_head_args = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, lm_head.gemv_data_ptr())
 
     def _decode_layer_weights(self) -> list[torch.Tensor] | None:
         cfg = self.cfg

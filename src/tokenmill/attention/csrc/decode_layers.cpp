@@ -39,12 +39,13 @@ struct Ops {
   c10::TypedOperatorHandle<ArgmaxRows> argmax_rows = find_op<ArgmaxRows>("tokenmill_cpu::argmax_rows");
 };
 
-// PackedLinear.forward's choice: tokenmill's GEMV up to gemv_rows rows, else oneDNN on the same packed weight.
+// PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
+// packed_gemv_max_rows(K) rows, else oneDNN on the same packed weight.
 // w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
 // checks and lookups (~1.5 us a call at batch 1); 0: through the op
-at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, int64_t gemv_rows,
+at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                   int64_t w_ptr) {
-  if (x.size(0) <= gemv_rows) {
+  if (gemv && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
     if (w_ptr == 0) return op.gemv.call(x, w, bias);
     TORCH_CHECK(w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1), "decode_layers: weight and x disagree on K");
     return tokenmill::packed_gemv_at(reinterpret_cast<const uint16_t*>(w_ptr), x, w.size(0), bias);
@@ -74,7 +75,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
                          const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
-                         int64_t gemv_rows) {
+                         bool gemv) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER, "decode_layers: ", PER_LAYER,
               " weights per layer expected");
@@ -120,7 +121,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
       x = op.rms_norm.call(h, w[0], eps, OptTensor(residual));
     }
     const int64_t* lp = wp ? wp + l * 4 : nullptr;  // this layer's qkv, o, gate_up and down addresses
-    const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv_rows, lp ? lp[0] : 0);
+    const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv, lp ? lp[0] : 0);
     auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
     uint16_t* k = q + q_size;
     const uint16_t* v = k + kv_size;
@@ -135,10 +136,10 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, block_tables.data_ptr<int32_t>(),
                                  seq_lens.data_ptr<int32_t>(), o_p, t, num_heads, num_kv_heads, head_dim, block_size,
                                  block_tables.size(1), static_cast<float>(scale), window);
-    h = linear(op, o, w[3], OptTensor(), gemv_rows, lp ? lp[1] : 0);
+    h = linear(op, o, w[3], OptTensor(), gemv, lp ? lp[1] : 0);
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
-    const at::Tensor gate_up = linear(op, x, w[5], OptTensor(), gemv_rows, lp ? lp[2] : 0);
-    h = linear(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv_rows, lp ? lp[3] : 0);
+    const at::Tensor gate_up = linear(op, x, w[5], OptTensor(), gemv, lp ? lp[2] : 0);
+    h = linear(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv, lp ? lp[3] : 0);
   }
   return op.rms_norm.call(h, final_norm, eps, OptTensor(residual));
 }
@@ -149,8 +150,8 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          const at::Tensor& gemv_ptrs, const at::Tensor& final_norm, at::TensorList kv_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         int64_t window, int64_t gemv_rows, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
-                         int64_t lm_head_gemv_rows, int64_t lm_head_ptr) {
+                         int64_t window, bool gemv, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
+                         bool lm_head_gemv, int64_t lm_head_ptr) {
   // the embedding's rows, copied as at::embedding copies them (which cost ~25 us at batch 1 here)
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
@@ -166,8 +167,8 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
   }
   const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
-                                     scale, window, gemv_rows);
-  return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv_rows, lm_head_ptr));
+                                     scale, window, gemv);
+  return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr));
 }
 
 }  // namespace
@@ -175,11 +176,11 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor gemv_ptrs, "
         "Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, int gemv_rows) -> Tensor");
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, bool gemv) -> Tensor");
   m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor gemv_ptrs, Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
-        "int gemv_rows, Tensor lm_head, Tensor? lm_head_bias, int lm_head_gemv_rows, int lm_head_ptr) -> Tensor");
+        "bool gemv, Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well

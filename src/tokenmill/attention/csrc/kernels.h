@@ -30,7 +30,11 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_s
 // bytes of a [N, K] bf16 weight packed by oneDNN as AB16b64a2b (N padded to 64, K to 32)
 int64_t packed_gemv_bytes(int64_t N, int64_t K);
 
-// x [M, K] (M <= 4, contiguous) times the packed [N, K] weight at w, plus bias [N]: [M, N]; all bf16.
+// The most rows of in_features columns for which packed_gemv_at is the kernel to use (beyond them,
+// oneDNN's on the same packed weight is faster); 0 where it is not built
+int64_t packed_gemv_max_rows(int64_t in_features);
+
+// x [M, K] (any M, contiguous) times the packed [N, K] weight at w, plus bias [N]: [M, N]; all bf16.
 // Checks x and bias; w is trusted (the op checks its packed size, decode_layers gets it from
 // PackedLinear.gemv_data_ptr, which does)
 at::Tensor packed_gemv_at(const uint16_t* w, const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias);
