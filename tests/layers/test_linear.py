@@ -103,8 +103,8 @@ def test_gemv_model_shapes(out_features: int, rows: int, bias: bool) -> None:
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("rows", [3, 50])
 def test_gemv_threads_split_the_blocks(threads: int, rows: int) -> None:
-    """Threads take ranges of 64-output blocks (each prefetching only within its range): the same
-    numbers as one thread, bitwise."""
+    """Threads take ranges of 64-output blocks, and with fewer than 4 blocks per thread (6 here) ranges
+    of rows within them as well: the same numbers as one thread, bitwise."""
     torch.manual_seed(rows)
     lin = nn.Linear(160, 330).to(torch.bfloat16)
     x = torch.randn(rows, 160, dtype=torch.bfloat16)
