@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.worker.memory import zeros_lazily
 
 # name: (sequences, longest context, layers, contiguous blocks, passes per timing)
 CASES = {"hot": (8, 256, 1, False, 32), "scattered": (256, 400, 8, False, 1), "contiguous": (256, 400, 8, True, 1)}
@@ -40,7 +41,10 @@ def build(batch: int, context: int, layers: int, contiguous: bool, args: argpars
     per_seq = (context + bs - 1) // bs
     pool = batch * per_seq
     order = torch.arange(pool) if contiguous else torch.randperm(pool, generator=gen)
-    caches = [torch.randn(2, pool, bs, args.kv_heads, args.head_dim, generator=gen).bfloat16() for _ in range(layers)]
+    shape = (2, pool, bs, args.kv_heads, args.head_dim)
+    # in 2 MiB pages where the kernel has them, as the engine's KV pool is (tokenmill.worker.memory)
+    caches = [zeros_lazily(shape, torch.bfloat16, torch.device("cpu")).copy_(torch.randn(*shape, generator=gen))
+              for _ in range(layers)]
     return {
         "q": torch.randn(batch, args.heads, args.head_dim, generator=gen).bfloat16(),
         "caches": caches,

@@ -47,8 +47,8 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).bfloat16()
             kernels = {
-                "onednn": lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-                "tokenmill": lambda w: ops.packed_gemv(x, w, None),
+                "onednn": lambda w, x=x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                "tokenmill": lambda w, x=x: ops.packed_gemv(x, w, None),
             }
             times: dict[str, list[float]] = {name: [] for name in kernels}
             for _ in range(args.reps):

@@ -451,6 +451,7 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
       ahead.next();
     }
     constexpr int64_t near_slices = std::max<int64_t>(1, 8192 / (TILE * DIM * 4));
+    const int64_t tiles_per_block = std::max<int64_t>(1, bs / TILE);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -474,10 +475,13 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
           const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
           for (int64_t kh = 0; kh < hk; ++kh) {
             const int64_t off = base + t * row_len + kh * DIM;
-            // the same rows of the kv-head slice `ahead` slices on (a slice: kv head kh of a tile)
+            // the kv-head slice `ahead` slices on (a slice: kv head kh of a tile; blocks hold tiles
+            // whole where bs is a multiple of TILE, else prefetches stop at the block's first tile)
             auto slice = [&](int64_t ahead) -> int64_t {
-              const int64_t i = kh + ahead, blk = std::min(i / hk, R - 1);
-              return ring[blk] >= 0 && t + TILE <= bs ? ring[blk] + t * row_len + (i % hk) * DIM : -1;
+              const int64_t i = kh + ahead, tile = (p0 - bi * bs + t) / TILE + i / hk;
+              const int64_t blk = std::min(tile / tiles_per_block, R - 1), in_block = tile % tiles_per_block;
+              return ring[blk] >= 0 && (in_block + 1) * TILE <= bs ? ring[blk] + in_block * TILE * row_len + (i % hk) * DIM
+                                                                   : -1;
             };
             const int64_t near = slice(near_slices), far = slice(FAR_SLICES);
             const at::BFloat16 *kn = near >= 0 ? kc + near : nullptr, *vn = near >= 0 ? vc + near : nullptr;
