@@ -89,7 +89,9 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    block_size: int = 16
+    # None: 64 on CPU, where a longer run of contiguous KV per block reads faster (the decode kernel
+    # over scattered blocks: 18.8 GB/s at 16, 23.1 at 64; vLLM's CPU backend takes 128), 16 on a GPU
+    block_size: int | None = None
     kv_cache_memory: str | int | float | None = None
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
@@ -127,7 +129,7 @@ class EngineArgs:
                 served_model_name=self.served_model_name or self.model,
             ),
             cache=CacheConfig(
-                block_size=self.block_size,
+                block_size=self.block_size or default_block_size(device),
                 kv_cache_bytes=self._kv_cache_bytes(),
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
@@ -156,7 +158,7 @@ class EngineArgs:
 
     def _check_positive(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
@@ -195,6 +197,10 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def default_block_size(device: str) -> int:
+    return 64 if device == "cpu" else 16
 
 
 def resolve_device(device: str) -> str:

@@ -72,8 +72,9 @@ def _prod(shape: list[int]) -> int:
 
 def test_plan_cli_json(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", model_dir, "--kv-cache-memory", "64KiB", "--bandwidth", "1", "--flops", "1",
-                 "--context", "32", "--batch-sizes", "1,2,16", "--json"]) == 0
+                 "--context", "32", "--batch-sizes", "1,2,16", "--block-size", "16", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
+    assert p["block_size"] == 16
     assert (p["params"], p["weight_bytes"], p["kv_bytes_per_token"], p["max_kv_tokens"]) == (86848, 173696, 256, 256)
     assert (p["max_requests_at_max_model_len"], p["max_requests_at_context"]) == (4, 8)
     assert [r["batch"] for r in p["decode"]] == [1, 2, 16]
@@ -89,6 +90,7 @@ def test_plan_cli_table_and_memory_split(model_dir: str, capsys: pytest.CaptureF
     p = json.loads(capsys.readouterr().out)
     assert p["kv_cache_bytes"] == 2**20 - 86848 * 4 and p["kv_bytes_per_token"] == 512
     assert p["mem_read_GBps"] is None and "floor_ms" not in p["decode"][0]
+    assert p["block_size"] == 64  # the engine's CPU default
     assert main(["plan", model_dir]) == 0
     text = capsys.readouterr().out
     assert "86.8K" in text and "roofline     unknown" in text and "decode floor" in text

@@ -73,7 +73,7 @@ def test_prefix_cache_hits(model_dirs: dict[str, str], name: str, backend: str) 
     shared = random_prompts(1, 40, 40, seed=7)[0]
     prompts = [shared + tail for tail in random_prompts(6, 1, 20, seed=8)]
     max_tokens = [10, 4, 16, 8, 12, 6]
-    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend=backend)
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend=backend, block_size=16)
     first = run(llm, prompts[:1], max_tokens[:1])  # fills the cache with the shared prefix
     kv = llm.engine.core.scheduler.kv
     hits_before = kv.prefix_hits

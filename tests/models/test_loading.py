@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import random_prompts
 from tests.fixtures import build_model, hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineArgs, _resolve_dtype
+from tokenmill.config import EngineArgs, _resolve_dtype, default_block_size
 from tokenmill.models.arch import load_arch_config, parse_arch_config
 from tokenmill.models.loader import checkpoint_files
 
@@ -80,7 +80,8 @@ def test_kv_pool_from_memory_budget(model_dirs: dict[str, str]) -> None:
     arch = cfg.model.arch
     per_token = arch.kv_bytes_per_token * 4
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="1MiB", max_model_len=256)
-    assert llm.engine.core.num_blocks == 2**20 // (16 * per_token)
+    assert cfg.cache.block_size == 64  # the CPU default
+    assert llm.engine.core.num_blocks == 2**20 // (cfg.cache.block_size * per_token)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model_dir, dtype="float32", kv_cache_memory="64KiB")  # fewer tokens than max_model_len
 
@@ -103,3 +104,14 @@ def test_rotary_tables_follow_the_model_device(llama_dir: str) -> None:
         model = LlamaForCausalLM(cfg, torch.float32)
     _init_buffers(model, cfg, torch.float32, torch.device("meta"))
     assert model.rotary.cos_cache.device.type == "meta" and model.rotary.sin_cache.device.type == "meta"
+
+
+def test_block_size_defaults_by_device(model_dirs: dict[str, str]) -> None:
+    """64 tokens a block on CPU (longer contiguous KV runs for the decode kernel), 16 on a GPU; a
+    given size is kept, and a size below 1 is refused."""
+    model_dir = model_dirs["llama-gqa2-tied"]
+    assert EngineArgs(model=model_dir, device="cpu").create_engine_config().cache.block_size == 64
+    assert EngineArgs(model=model_dir, block_size=16).create_engine_config().cache.block_size == 16
+    assert default_block_size("cuda") == 16
+    with pytest.raises(ValueError, match="block_size"):
+        EngineArgs(model=model_dir, block_size=0).create_engine_config()

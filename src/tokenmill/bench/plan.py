@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenmill.bench.model_math import ModelCost, decode_floor, dtype_bytes, kv_capacity, max_requests
 from tokenmill.bench.roofline import Ceilings, ceilings
-from tokenmill.config import parse_memory
+from tokenmill.config import default_block_size, parse_memory
 from tokenmill.models.arch import ArchConfig, load_arch_config
 
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--context", type=int, default=None,
                    help="average context per sequence in the decode table (default: max-model-len / 2)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt length for prefill FLOPs (default 512)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=default_block_size("cpu"),
+                   help="KV tokens per block (default: the engine's on CPU)")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCHES)
     p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth, GB/s")
     p.add_argument("--flops", type=float, default=None, help="matmul rate, GFLOP/s")
