@@ -129,7 +129,7 @@ class EngineArgs:
                 served_model_name=self.served_model_name or self.model,
             ),
             cache=CacheConfig(
-                block_size=self.block_size or default_block_size(device),
+                block_size=self.block_size if self.block_size is not None else default_block_size(device),
                 kv_cache_bytes=self._kv_cache_bytes(),
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,

@@ -7,8 +7,8 @@ load time gives the same numbers (bitwise, in bf16) at close to memory bandwidth
 
 tokenmill's own kernel (csrc/gemv.cpp, "the GEMV") multiplies by the same packed weight: for decode's
 1-4 rows it reads the weight 1.05-1.4x faster than oneDNN, and for more rows it prefetches the next
-block of the weight while it works on one, 1.03-1.2x faster than oneDNN on the 100M model's shapes
-(up to 1.35x on its lm_head at 2048 rows), one thread. It relies on oneDNN's packed layout, so
+block of the weight while it works on one: 1.0-1.3x oneDNN's speed on the 100M model's shapes, one
+thread, the most at 16-64 rows (tools/linear_bench.py). It relies on oneDNN's packed layout, so
 `pack_linears` checks that layout once before turning it on.
 """
 

@@ -5,10 +5,11 @@
 //   instructions per byte than oneDNN's general kernel (1.2-1.4x faster at one row, single thread).
 // - More rows: the same inner loop over tiles of 6 rows, each 64-output block of the weight read from
 //   L2 by every tile, while software prefetches bring the next block into L2 (oneDNN leaves that to
-//   the hardware prefetcher). On this Zen 5, one thread, weights cold in cache as in a model's step,
-//   that is 450-470 GFLOP/s for the 100M model's shapes at 64 to 2048 rows, against oneDNN's 375-440
-//   (its lm_head at 2048 rows: 337). The weight block must fit in L2 beside the prefetched next one,
-//   so for K over kTiledMaxK (the 1.1B model's down projection) oneDNN keeps more than 4 rows.
+//   the hardware prefetcher). On this Zen 5, one thread, weights cold in cache as in a model's step
+//   (tools/linear_bench.py), the 100M model's shapes ran at 422-460 GFLOP/s at 128 to 2048 rows
+//   against oneDNN's 390-435, and 384-450 against 327-383 at 64 rows. The weight block must fit in
+//   L2 beside the prefetched next one, so for K over kTiledMaxK (the 1.1B model's down projection)
+//   oneDNN keeps more than 4 rows.
 //
 // The packed layout is oneDNN's AB16b64a2b for a weight [N, K]: blocks of 64 outputs, each
 // holding all of K as chunks of 32 k, a chunk being 16 k-pairs x 64 outputs x 2; N is padded to
@@ -151,8 +152,9 @@ void gemm(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t
   const int64_t blocks = padded(N, kBlockN) / kBlockN, tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t threads = at::get_num_threads();
   const int64_t fit = std::max<int64_t>(1, kChunkBytes / (Kp * 2 * kTileRows));  // tiles of x per chunk
-  const int64_t want = std::max((tiles + fit - 1) / fit, (4 * threads + blocks - 1) / blocks);
-  const int64_t chunk_rows = (tiles + std::min(tiles, want) - 1) / std::min(tiles, want) * kTileRows;
+  // as many chunks as x needs to fit, or as idle threads need, but no more than there are tiles
+  const int64_t wanted = std::min(tiles, std::max((tiles + fit - 1) / fit, (4 * threads + blocks - 1) / blocks));
+  const int64_t chunk_rows = (tiles + wanted - 1) / wanted * kTileRows;
   const int64_t chunks = (M + chunk_rows - 1) / chunk_rows;
   at::parallel_for(0, chunks * blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
