@@ -81,9 +81,11 @@ def test_sliding_window(window: int) -> None:
     _check(CTX, 12, 4, 64, window=window)
 
 
-@pytest.mark.parametrize("block_size", [8, 32, 48])
+@pytest.mark.parametrize("block_size", [8, 32, 48, 64, 128])
 def test_other_block_sizes(block_size: int) -> None:
-    _check(CTX, 12, 4, 64, block_size=block_size, window=70 if block_size == 48 else None)
+    """Blocks of several 16-row tiles (64: the CPU default) prefetch tile by tile; a window of 70
+    starts reading mid-block."""
+    _check(CTX, 12, 4, 64, block_size=block_size, window=70 if block_size in (48, 64) else None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

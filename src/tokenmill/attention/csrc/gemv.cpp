@@ -56,10 +56,10 @@ const uint16_t* packed_data(const at::Tensor& w, int64_t expected_bytes) {
 // contiguous run of memory, and at 1-4 rows the hardware prefetcher alone streams it fastest: software
 // prefetches 2-16 KiB ahead (into L1 or L2) were 3-7% slower at one row on this Zen 5 (all the
 // projections of the 100M and 1.1B models in turn, 12-25 interleaved repetitions) and no faster at four.
-// The tiled path passes pf: one line of the next block is prefetched into L2 every pf_step k-pairs.
+// The tiled path passes pf: one line of the next block is prefetched into L2 every 2^pf_shift k-pairs.
 template <int M, bool PREFETCH = false>
 inline void block_dot(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, __m512 acc[M][4],
-                      const char* pf = nullptr, int64_t pf_step = 1) {
+                      const char* pf = nullptr, int pf_shift = 0) {
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < Kp / 2; ++p) {
@@ -68,7 +68,8 @@ inline void block_dot(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64);
     const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
-    if (PREFETCH && pf != nullptr && (p & (pf_step - 1)) == 0) _mm_prefetch(pf + (p / pf_step) * 64, _MM_HINT_T1);
+    if (PREFETCH && pf != nullptr && (p & ((int64_t{1} << pf_shift) - 1)) == 0)
+      _mm_prefetch(pf + (p >> pf_shift) * 64, _MM_HINT_T1);
     for (int m = 0; m < M; ++m) {
       uint32_t pair;  // x[m, 2p], x[m, 2p + 1]
       std::memcpy(&pair, x + m * ldx + 2 * p, sizeof(pair));
@@ -111,35 +112,35 @@ void gemv_blocks(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, 
 
 template <int R>
 inline void tile(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t N, const uint16_t* bias,
-                 uint16_t* y, int64_t n0, const char* pf, int64_t pf_step) {
+                 uint16_t* y, int64_t n0, const char* pf, int pf_shift) {
   __m512 acc[R][4];
-  block_dot<R, true>(w, x, ldx, Kp, acc, pf, pf_step);
+  block_dot<R, true>(w, x, ldx, Kp, acc, pf, pf_shift);
   store_block<R>(acc, bias, y, N, n0, N);
 }
 
 // Rows [m0, m1) of the block of 64 outputs at wb (outputs n0..), in tiles of kTileRows rows, each
 // reading the block from L2. The 2 * Kp lines at next (the block this thread takes on next, or null)
-// are prefetched one every pf_step k-pairs (a power of two), over about the first half of the tiles,
+// are prefetched one every 2^pf_shift k-pairs, over about the first half of the tiles,
 // so that they arrive while this block is worked on.
 void gemm_rows(const uint16_t* wb, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t m0, int64_t m1, int64_t N,
                const uint16_t* bias, uint16_t* y, int64_t n0, const char* next) {
   const int64_t pairs = Kp / 2, lines = 2 * Kp, tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-  int64_t pf_step = 1;
-  while (pf_step * lines * 2 <= tiles * pairs) pf_step *= 2;
+  int pf_shift = 0;
+  while ((lines * 2 << pf_shift) <= tiles * pairs) ++pf_shift;
   int64_t prefetched = 0;  // lines of the next block asked for so far
   for (int64_t m = m0; m < m1; m += kTileRows) {
     const char* pf = next != nullptr && prefetched < lines ? next + prefetched * 64 : nullptr;
     const uint16_t* xt = x + m * ldx;
     uint16_t* yt = y + m * N;
     switch (std::min(kTileRows, m1 - m)) {
-      case 1: tile<1>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_step); break;
-      case 2: tile<2>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_step); break;
-      case 3: tile<3>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_step); break;
-      case 4: tile<4>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_step); break;
-      case 5: tile<5>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_step); break;
-      default: tile<kTileRows>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_step); break;
+      case 1: tile<1>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
+      case 2: tile<2>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
+      case 3: tile<3>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
+      case 4: tile<4>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
+      case 5: tile<5>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
+      default: tile<kTileRows>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
     }
-    prefetched += pairs / pf_step;
+    prefetched += pairs >> pf_shift;
   }
 }
 
@@ -179,8 +180,6 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
 }
 
 bool has_packed_gemv() { return true; }
-
-int64_t packed_gemv_max_rows_op(int64_t K) { return tokenmill::packed_gemv_max_rows(K); }
 
 }  // namespace
 
@@ -240,8 +239,6 @@ at::Tensor packed_gemv(const at::Tensor&, const at::Tensor&, const c10::optional
 
 bool has_packed_gemv() { return false; }
 
-int64_t packed_gemv_max_rows_op(int64_t) { return 0; }
-
 }  // namespace
 
 int64_t tokenmill::packed_gemv_bytes(int64_t, int64_t) { TORCH_CHECK(false, "built without AVX512-BF16"); }
@@ -256,7 +253,7 @@ at::Tensor tokenmill::packed_gemv_at(const uint16_t*, const at::Tensor&, int64_t
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("has_packed_gemv() -> bool", &has_packed_gemv);
-  m.def("packed_gemv_max_rows(int in_features) -> int", &packed_gemv_max_rows_op);
+  m.def("packed_gemv_max_rows(int in_features) -> int", &tokenmill::packed_gemv_max_rows);
   m.def("packed_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
