@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from tokenmill.attention import get_backend
-from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.backend import AttentionMetadata, output_rows
 from tokenmill.attention.cpu import CUDA_SDPA_BACKENDS
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 
@@ -74,6 +74,37 @@ def check_against_reference(backend: str, dtype: torch.dtype, hq: int, hk: int, 
     got = fast.forward(*args, meta, dim**-0.5).cpu()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "sdpa", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_output_rows_attend_as_in_the_whole_step(backend: str, dtype: torch.dtype, window: int | None) -> None:
+    # some rows of a step (last rows of chunks, a middle row, decodes, out of order), attended as
+    # single queries over output_rows' meta, give those rows' outputs of the whole step
+    torch.manual_seed(0)
+    hq, hk, dim, bs, num_blocks = 8, 2, 64, 8, 64
+    query_lens, ctx_lens = [1, 1, 9, 17, 5], [13, 40, 9, 30, 5]
+    meta = make_batch(2, query_lens, ctx_lens, bs, num_blocks, window)
+    meta.slot_mapping = torch.arange(sum(query_lens))
+    k_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
+    t = sum(query_lens)
+    q = torch.randn(t, hq, dim, dtype=dtype)
+    k_new = torch.cat([_ctx(k_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    ref = get_backend("torch_ref")
+    whole = ref.forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
+    rows, seqs = [10, 1, 32, 0, 27, 20], [2, 1, 4, 0, 3, 3]  # 20: a middle row of the 17-token chunk
+    sub = output_rows(meta, rows, seqs)
+    assert sub.meta.seq_lens == [9, 40, 5, 13, 30, 23] and sub.meta.num_decodes == len(rows)
+    assert sub.meta.slot_mapping.tolist() == rows
+    fast = get_backend(backend)
+    fast.prepare(sub.meta, torch.device("cpu"))
+    idx = sub.index
+    got = fast.forward(q[idx], k_new[idx], v_new[idx], k_cache, v_cache, sub.meta, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), whole[idx].float(), atol=tol, rtol=tol)
 
 
 def _ctx(cache: torch.Tensor, meta: AttentionMetadata, b: int) -> torch.Tensor:

@@ -28,6 +28,33 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
+@dataclass
+class OutputRows:
+    """The rows of a step whose outputs are used (the rows it samples from), for the last layer.
+
+    Every layer writes every row's keys and values to the cache, but only these rows need the last
+    layer's attention output, its o_proj and MLP, and the final norm: in a prefill chunk that is one
+    row at most, so the others' share of the last layer (~11% of a prefill's projection FLOPs in an
+    8-layer model) is skipped. Each row attends as a single query at its own position over the same
+    cache, so the rows are a step of decodes: `meta`, prepared by the backend like any step's."""
+
+    index: torch.Tensor  # [R] long: flat-batch rows, in the order their outputs are wanted
+    meta: AttentionMetadata
+
+
+def output_rows(meta: AttentionMetadata, rows: list[int], seqs: list[int]) -> OutputRows:
+    """rows[i], a query row of sequence seqs[i] of the step `meta` describes, as decodes."""
+    index = torch.tensor(rows, dtype=torch.long, device=meta.slot_mapping.device)
+    qsl, lens = meta.query_start_loc, meta.seq_lens
+    # row r of sequence s sits at position lens[s] - (qsl[s + 1] - r); it sees the context up to it
+    context = [lens[s] - (qsl[s + 1] - 1 - r) for r, s in zip(rows, seqs, strict=True)]
+    rows_meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping.index_select(0, index), query_start_loc=list(range(len(rows) + 1)),
+        seq_lens=context, block_tables=[meta.block_tables[s] for s in seqs], num_decodes=len(rows),
+        block_size=meta.block_size, sliding_window=meta.sliding_window)
+    return OutputRows(index, rows_meta)
+
+
 class AttentionBackend(Protocol):
     name: str
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, write_kv
 from tokenmill.layers.linear import Embedding, Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -32,7 +32,9 @@ class Attention(nn.Module):
         self.ops: Any = None  # tokenmill's C++ CPU kernels, when the runner enables them
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                rows: OutputRows | None = None) -> torch.Tensor:
+        """Every row's K/V go to the cache; the output is every row's, or with `rows` only theirs."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -45,6 +47,10 @@ class Attention(nn.Module):
             self.ops.write_kv_(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         else:
             write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        if rows is not None:
+            q, k, v = (y.index_select(0, rows.index) for y in (q, k, v))
+            meta = rows.meta
+            t = q.shape[0]
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -78,13 +84,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """h is the previous sublayer's output, not yet added to the residual stream."""
+                backend: AttentionBackend, rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h is the previous sublayer's output, not yet added to the residual stream. With `rows`,
+        the outputs are those rows' only (all rows' K/V are still cached)."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows.index)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -108,14 +117,18 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_args: tuple[Any, ...] | None = None  # for ops.decode_greedy, where the lm_head is packed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, rows: OutputRows | None = None) -> torch.Tensor:
+        """The final hidden states of every row, or with `rows` of those rows only (in their order):
+        then the last layer computes its attention output and MLP for them alone."""
         h = self.embed_tokens(input_ids)
-        if self.fused_decode(meta, h.shape[0]):
+        if rows is None and self.fused_decode(meta, h.shape[0]):
             # a pure-decode step: the same kernels as the loop below, called from C++
             return self.ops.decode_layers(h, positions, *self._decode_args(kv_caches, meta))
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, backend)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, backend,
+                                rows if i == last else None)
         h, _ = self.norm(h, residual)
         return h
 

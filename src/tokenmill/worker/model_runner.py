@@ -9,7 +9,7 @@ from typing import Any, cast
 import torch
 
 from tokenmill.attention import get_backend
-from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.backend import AttentionMetadata, OutputRows, output_rows
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 class PreparedStep:
     step: StepBatch
     meta: AttentionMetadata
+    rows: OutputRows | None  # the rows whose outputs are used, where that is fewer than all
 
 
 class ModelRunner:
@@ -55,6 +56,9 @@ class ModelRunner:
         self._populate = BackgroundPopulate(self.kv_cache, block_dim=2)  # begins after the first step
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(ops)
+        # only the sampled rows through the last layer's attention output and MLP (OutputRows);
+        # False runs every row through it, the reference path the tests compare with
+        self.output_rows_only = True
         self.eos_token_ids = self.arch.eos_token_ids
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()
@@ -82,17 +86,22 @@ class ModelRunner:
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
             num_decodes=step.num_decodes, block_size=self.block_size, sliding_window=self.arch.sliding_window)
         self.backend.prepare(meta, self.device)
-        return PreparedStep(step, meta)
+        rows = None
+        if self.output_rows_only and not step.prompt_lp_rows and len(step.logits_indices) < len(step.input_ids):
+            # only the sampled rows need the last layer's output (prompt logprobs need every row's)
+            rows = output_rows(meta, step.logits_indices, step.sample_positions)
+            self.backend.prepare(rows.meta, self.device)
+        return PreparedStep(step, meta, rows)
 
     def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
         """Run a prepared step; steps must execute in the order they were prepared."""
         if prepared is None:
             return ModelRunnerOutput([], [])
         with self._populate.paused():
-            return self._execute(prepared.step, prepared.meta)
+            return self._execute(prepared.step, prepared.meta, prepared.rows)
 
     @torch.inference_mode()
-    def _execute(self, step: StepBatch, meta: AttentionMetadata) -> ModelRunnerOutput:
+    def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None) -> ModelRunnerOutput:
         step.fill_pending_inputs()
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions).to(self.device)
@@ -105,7 +114,7 @@ class ModelRunner:
             if ids is not None:  # the whole step in one call, to its tokens
                 self._record(step, out, SamplerOutput(ids.tolist()))
                 return out
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
         if states:
             self._sample(hidden, step, out, greedy)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
@@ -113,7 +122,7 @@ class ModelRunner:
         return out
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput, greedy: bool) -> None:
-        if len(step.logits_indices) < hidden.shape[0]:
+        if len(step.logits_indices) < hidden.shape[0]:  # the model gave every row's
             hidden = hidden.index_select(0, torch.tensor(step.logits_indices, device=self.device))
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
         states = step.sample_states
