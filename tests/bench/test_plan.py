@@ -90,7 +90,7 @@ def test_plan_cli_table_and_memory_split(model_dir: str, capsys: pytest.CaptureF
     p = json.loads(capsys.readouterr().out)
     assert p["kv_cache_bytes"] == 2**20 - 86848 * 4 and p["kv_bytes_per_token"] == 512
     assert p["mem_read_GBps"] is None and "floor_ms" not in p["decode"][0]
-    assert p["block_size"] == 64  # the engine's CPU default
+    assert p["block_size"] == 32  # the engine's CPU default
     assert main(["plan", model_dir]) == 0
     text = capsys.readouterr().out
     assert "86.8K" in text and "roofline     unknown" in text and "decode floor" in text

@@ -80,7 +80,7 @@ def test_kv_pool_from_memory_budget(model_dirs: dict[str, str]) -> None:
     arch = cfg.model.arch
     per_token = arch.kv_bytes_per_token * 4
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="1MiB", max_model_len=256)
-    assert cfg.cache.block_size == 64  # the CPU default
+    assert cfg.cache.block_size == 32  # the CPU default
     assert llm.engine.core.num_blocks == 2**20 // (cfg.cache.block_size * per_token)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model_dir, dtype="float32", kv_cache_memory="64KiB")  # fewer tokens than max_model_len
@@ -107,10 +107,10 @@ def test_rotary_tables_follow_the_model_device(llama_dir: str) -> None:
 
 
 def test_block_size_defaults_by_device(model_dirs: dict[str, str]) -> None:
-    """64 tokens a block on CPU (longer contiguous KV runs for the decode kernel), 16 on a GPU; a
+    """32 tokens a block on CPU (longer contiguous KV runs for the decode kernel), 16 on a GPU; a
     given size is kept, and a size below 1 is refused."""
     model_dir = model_dirs["llama-gqa2-tied"]
-    assert EngineArgs(model=model_dir, device="cpu").create_engine_config().cache.block_size == 64
+    assert EngineArgs(model=model_dir, device="cpu").create_engine_config().cache.block_size == 32
     assert EngineArgs(model=model_dir, block_size=16).create_engine_config().cache.block_size == 16
     assert default_block_size("cuda") == 16
     with pytest.raises(ValueError, match="block_size"):
