@@ -53,19 +53,9 @@ def test_cuda_sdpa_leaves_out_cudnn() -> None:
 
 def check_against_reference(backend: str, dtype: torch.dtype, hq: int, hk: int, dim: int, window: int | None,
                             device: torch.device) -> None:
-    torch.manual_seed(0)
-    bs, num_blocks = 8, 64
     # decodes first (query length 1), then prefill chunks with and without earlier context
-    query_lens = [1, 1, 1, 1, 9, 17, 5]
-    ctx_lens = [1, 13, 40, 57, 9, 30, 5]
-    meta = make_batch(1, query_lens, ctx_lens, bs, num_blocks, window)
-    k_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
-    v_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
-    t = sum(query_lens)
-    q = torch.randn(t, hq, dim, dtype=dtype)
-    # this step's k/v are the last query_len positions of each sequence's cached context
-    k_new = torch.cat([_ctx(k_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
-    v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    meta, q, k_new, v_new, k_cache, v_cache = random_step(1, [1, 1, 1, 1, 9, 17, 5], [1, 13, 40, 57, 9, 30, 5],
+                                                          hq, hk, dim, window, dtype)
     ref = get_backend("torch_ref")
     fast = get_backend(backend)
     fast.prepare(meta, device)
@@ -82,17 +72,10 @@ def check_against_reference(backend: str, dtype: torch.dtype, hq: int, hk: int, 
 def test_output_rows_attend_as_in_the_whole_step(backend: str, dtype: torch.dtype, window: int | None) -> None:
     # some rows of a step (last rows of chunks, a middle row, decodes, out of order), attended as
     # single queries over output_rows' meta, give those rows' outputs of the whole step
-    torch.manual_seed(0)
-    hq, hk, dim, bs, num_blocks = 8, 2, 64, 8, 64
-    query_lens, ctx_lens = [1, 1, 9, 17, 5], [13, 40, 9, 30, 5]
-    meta = make_batch(2, query_lens, ctx_lens, bs, num_blocks, window)
-    meta.slot_mapping = torch.arange(sum(query_lens))
-    k_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
-    v_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
-    t = sum(query_lens)
-    q = torch.randn(t, hq, dim, dtype=dtype)
-    k_new = torch.cat([_ctx(k_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
-    v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    dim = 64
+    meta, q, k_new, v_new, k_cache, v_cache = random_step(2, [1, 1, 9, 17, 5], [13, 40, 9, 30, 5], 8, 2, dim,
+                                                          window, dtype)
+    meta.slot_mapping = torch.arange(q.shape[0])
     ref = get_backend("torch_ref")
     whole = ref.forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
     rows, seqs = [10, 1, 32, 0, 27, 20], [2, 1, 4, 0, 3, 3]  # 20: a middle row of the 17-token chunk
@@ -105,6 +88,24 @@ def test_output_rows_attend_as_in_the_whole_step(backend: str, dtype: torch.dtyp
     got = fast.forward(q[idx], k_new[idx], v_new[idx], k_cache, v_cache, sub.meta, dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), whole[idx].float(), atol=tol, rtol=tol)
+
+
+Step = tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def random_step(seed: int, query_lens: list[int], ctx_lens: list[int], hq: int, hk: int, dim: int,
+                window: int | None, dtype: torch.dtype) -> Step:
+    """A step over random paged caches of 64 blocks of 8 tokens: (meta, q, k_new, v_new, k_cache,
+    v_cache), this step's k/v being the last query_len positions of each sequence's cached context."""
+    torch.manual_seed(0)
+    bs, num_blocks = 8, 64
+    meta = make_batch(seed, query_lens, ctx_lens, bs, num_blocks, window)
+    k_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, bs, hk, dim, dtype=dtype)
+    q = torch.randn(sum(query_lens), hq, dim, dtype=dtype)
+    k_new = torch.cat([_ctx(k_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    return meta, q, k_new, v_new, k_cache, v_cache
 
 
 def _ctx(cache: torch.Tensor, meta: AttentionMetadata, b: int) -> torch.Tensor:
