@@ -154,6 +154,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(self.NUM_BLOCKS)
         self.owners: list[list[KVBlock]] = []
         self.next_hash = 0
+        self.most_held = 0  # the most distinct blocks the owners have held at once
 
     @rule(n=st.integers(0, NUM_BLOCKS + 1))
     def allocate(self, n: int) -> None:
@@ -203,6 +204,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert b.block_id not in self.pool._free or b.block_hash is not None
             assert b.block_id not in self.pool._blank or b.block_hash is None
         assert self.pool.num_free_blocks == self.NUM_BLOCKS - len(held)
+        self.most_held = max(self.most_held, len(held))
+        assert self.pool.peak_used_blocks == self.most_held
         for block_hash, b in self.pool._cached.items():
             assert b.block_hash == block_hash and b.token_ids == (block_hash,)
 

@@ -36,6 +36,7 @@ class BlockPool:
         # free without cached KV, a stack (the last is handed out first): block 0 on top at start
         self._blank: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in reversed(self.blocks))
         self._cached: dict[int, KVBlock] = {}
+        self.peak_used_blocks = 0  # the most blocks in use (ref > 0) at once, since start-up
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,6 +62,7 @@ class BlockPool:
                 self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
+        self._note_peak()
         return out
 
     def take(self, blocks: Iterable[KVBlock]) -> None:
@@ -69,6 +71,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._pool_of(block).pop(block.block_id)
             block.ref_cnt += 1
+        self._note_peak()
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the LRU's tail in the
@@ -110,6 +113,9 @@ class BlockPool:
             self._uncache(block)
             self._blank[block.block_id] = block
         return True
+
+    def _note_peak(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
 
     def _pool_of(self, block: KVBlock) -> OrderedDict[int, KVBlock]:
         return self._free if block.block_hash is not None else self._blank

@@ -45,6 +45,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0  # tokens looked up, cumulative
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
+    num_steps: int = 0  # steps that ran any token, cumulative
+    peak_used_blocks: int = 0  # most KV blocks in use at once since start-up
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -31,6 +31,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_since_seen: set[str] = set()
         self.num_preemptions = 0
+        self.num_steps = 0  # steps that ran any token, cumulative
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -121,6 +122,8 @@ class Scheduler:
             self._advance(req, n)
 
         finished, self._finished_ids = self._finished_ids, set()
+        if budget < self.config.max_num_batched_tokens:
+            self.num_steps += 1
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.config.max_num_batched_tokens - budget, finished)
 
@@ -243,4 +246,6 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            peak_used_blocks=self.kv.pool.peak_used_blocks,
         )
