@@ -44,6 +44,16 @@ def test_counts_by_hand() -> None:
     assert kv_capacity(65536, cost, 16) == 256 and max_requests(256, 64, 16) == 4 and max_requests(256, 65, 16) == 3
 
 
+def test_a_request_costs_its_prefill_and_its_decode_steps() -> None:
+    cost = ModelCost(parse_arch_config(CONFIG), "bfloat16")
+    # prompt 5, output 4: a prefill of 5 (the first token), then decode steps at contexts 6, 7 and 8
+    decodes = sum(cost.decode_flops(1, c) for c in (6, 7, 8))
+    assert cost.request_flops(5, 4) == pytest.approx(5 * cost.prefill_flops_per_token(5) + decodes)
+    assert cost.request_kv_bytes(5, 4) == (5 + 6 + 7 + 8) * 256
+    assert cost.request_flops(5, 1) == pytest.approx(5 * cost.prefill_flops_per_token(5))
+    assert cost.request_kv_bytes(5, 1) == 5 * 256
+
+
 def test_crossover_batch_is_where_the_bound_flips() -> None:
     cost = ModelCost(parse_arch_config(CONFIG), "bfloat16")
     b = cost.crossover_batch(context=8, bandwidth_gbps=10.0, gflops=40.0)

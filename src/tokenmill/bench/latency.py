@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost, decode_floor
-from tokenmill.bench.results import emit, peak_rss_mb
-from tokenmill.bench.roofline import Ceilings, ceilings
+from tokenmill.bench.results import emit, peak_rss_mb, sig
+from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
 
@@ -38,17 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (at most 16 output tokens each)")
     p.add_argument("--vocab-low", type=int, default=10)
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (else measured/cached)")
-    p.add_argument("--flops", type=float, default=None, help="matmul GFLOP/s of the dtype (else measured/cached)")
-    p.add_argument("--no-roofline", dest="roofline", action="store_false",
-                   help="never measure the roofline; MBU/MFU only from --bandwidth/--flops or the cache")
+    add_ceiling_args(p)
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
-
-
-def sig(x: float, digits: int = 4) -> float:
-    """x to `digits` significant digits (tiny models give tiny figures; fixed decimals would zero them)."""
-    return float(f"{x:.{digits}g}")
 
 
 @dataclass

@@ -102,6 +102,18 @@ class ModelCost:
         return (2 * body + 2 * self.lm_head_params / prompt_len
                 + self.attn_flops_per_position * (prompt_len + 1) / 2)
 
+    def request_flops(self, prompt_len: int, output_len: int) -> float:
+        """FLOPs a request needs with nothing cached: its prompt's prefill (which gives the first output
+        token), then output_len - 1 decode steps."""
+        decodes, attended = decode_positions(prompt_len, output_len)
+        return (prompt_len * self.prefill_flops_per_token(prompt_len)
+                + decodes * 2 * self.matmul_params + self.attn_flops_per_position * attended)
+
+    def request_kv_bytes(self, prompt_len: int, output_len: int) -> int:
+        """The KV bytes a request's steps move at the least: its prompt's once, then each decode step's
+        whole context."""
+        return (prompt_len + decode_positions(prompt_len, output_len)[1]) * self.kv_bytes_per_token
+
     def crossover_batch(self, context: int, bandwidth_gbps: float, gflops: float) -> float | None:
         """The batch size where a decode step turns compute-bound, or None if it never does
         (KV traffic then grows as fast as compute)."""
@@ -113,6 +125,13 @@ class ModelCost:
         if denom <= 0:
             return None
         return self.matmul_params * self.elem_bytes / denom
+
+
+def decode_positions(prompt_len: int, output_len: int) -> tuple[int, int]:
+    """A request's decode steps (output_len - 1: prefill gives the first token) and the positions they
+    attend to in all: the i-th step attends to prompt_len + i."""
+    decodes = max(0, output_len - 1)
+    return decodes, decodes * prompt_len + decodes * (decodes + 1) // 2
 
 
 @dataclass(frozen=True)

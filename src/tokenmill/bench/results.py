@@ -13,6 +13,11 @@ import time
 from typing import Any
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits (tiny models give tiny figures; fixed decimals would zero them)."""
+    return float(f"{x:.{digits}g}")
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory. VmHWM where Linux has it: ru_maxrss keeps the
     forking parent's size across exec, which misreports a small child of a big parent."""

@@ -39,6 +39,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
+def add_ceiling_args(p: argparse.ArgumentParser) -> None:
+    """The flags by which a bench gets the ceilings its MBU and MFU divide by (see ceilings())."""
+    p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (else measured/cached)")
+    p.add_argument("--flops", type=float, default=None, help="matmul GFLOP/s of the dtype (else measured/cached)")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="never measure the roofline; MBU/MFU only from --bandwidth/--flops or the cache")
+
+
 def cache_path() -> str:
     """$TOKENMILL_CACHE_DIR/roofline.json, else ~/.cache/tokenmill/roofline.json (XDG_CACHE_HOME honoured)."""
     root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(

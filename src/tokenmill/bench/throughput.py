@@ -1,5 +1,13 @@
 """`tokenmill bench throughput`: offline generation of a whole workload at once, timed after a
-warm-up, the prefix cache emptied before each run; JSON with tok/s and peak RSS."""
+warm-up, the prefix cache emptied before each run; JSON with tok/s, peak RSS, the most KV blocks in
+use at once, and MBU/MFU estimates.
+
+The estimates divide the least work the run needs by its median wall time and this machine's ceilings
+(`tokenmill bench roofline`, cached):
+  MFU: the FLOPs of every request with nothing cached (ModelCost.request_flops) / matmul FLOP/s.
+  MBU: the bytes the steps must move at the least (the matmul weights once per step, each request's KV
+       as ModelCost.request_kv_bytes counts it) / memory read bandwidth.
+A large batch is compute-bound, so its MFU is the telling figure; batch-1 decode's is MBU (`bench latency`)."""
 
 from __future__ import annotations
 
@@ -8,7 +16,9 @@ import statistics
 import time
 from typing import Any
 
-from tokenmill.bench.results import emit, peak_rss_mb
+from tokenmill.bench.model_math import ModelCost
+from tokenmill.bench.results import emit, peak_rss_mb, sig
+from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
 
@@ -26,6 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false")
+    add_ceiling_args(p)
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
 
@@ -47,7 +58,27 @@ def generate_inputs(reqs: list[BenchRequest], ignore_eos: bool) -> tuple[list[An
     return prompts, params
 
 
+def estimates(cost: ModelCost, lens: list[tuple[int, int]], steps: float, wall_s: float,
+              roof: Ceilings) -> dict[str, Any]:
+    """MFU and MBU of a run: `lens` holds each request's (prompt, output) tokens (see the module's doc)."""
+    flops = sum(cost.request_flops(p, o) for p, o in lens)
+    nbytes = steps * cost.matmul_params * cost.elem_bytes + sum(cost.request_kv_bytes(p, o) for p, o in lens)
+    out: dict[str, Any] = {
+        "flops": sig(flops), "bytes": sig(nbytes), "achieved_gflops": sig(flops / wall_s / 1e9),
+        "achieved_GBps": sig(nbytes / wall_s / 1e9), "mem_read_GBps": roof.bandwidth_gbps,
+        "matmul_gflops": roof.gflops, "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
+        "mfu": None, "mbu": None,
+    }
+    if roof.gflops:
+        out["mfu"] = sig(flops / wall_s / (roof.gflops * 1e9))
+    if roof.bandwidth_gbps:
+        out["mbu"] = sig(nbytes / wall_s / (roof.bandwidth_gbps * 1e9))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from tokenmill.entrypoints.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -60,24 +91,33 @@ def run(args: argparse.Namespace) -> int:
     prompts, params = generate_inputs(reqs, args.ignore_eos)
     llm.generate(prompts[:16], [p.clone(max_tokens=min(16, p.max_tokens or 16)) for p in params[:16]],
                  use_tqdm=False)
-    walls, prompt_tokens, output_tokens = [], 0, 0
+    walls, steps, lens = [], [], []
     for _ in range(args.runs):
         llm.engine.reset_prefix_cache()
+        steps0 = llm.engine.stats.num_steps
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - t)
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-        output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps.append(llm.engine.stats.num_steps - steps0)
+        lens = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs]
     wall = statistics.median(walls)
+    prompt_tokens, output_tokens = sum(p for p, _ in lens), sum(o for _, o in lens)
+    threads = torch.get_num_threads()
+    device = config.device.device
+    roof = ceilings(config.model.dtype, args.bandwidth, args.flops, threads if device == "cpu" else 1,
+                    measure_missing=args.roofline, device=device)
     emit({
         "engine": "tokenmill", "bench": "throughput", "model": args.model,
-        "threads": config.device.num_threads, "dtype": config.model.dtype, "device": config.device.device,
+        "threads": threads, "dtype": config.model.dtype, "device": config.device.device,
         "attention_backend": config.attention_backend, "requests": len(reqs),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "wall_s": round(wall, 3), "wall_s_runs": [round(w, 3) for w in walls], "runs": args.runs,
         "requests_per_s": round(len(reqs) / wall, 3), "output_tok_s": round(output_tokens / wall, 1),
         "total_tok_s": round((prompt_tokens + output_tokens) / wall, 1), "load_s": round(load_s, 2),
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
+        "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": statistics.median(steps),
+        "steps_runs": steps, **estimates(ModelCost(config.model.arch, config.model.dtype), lens,
+                                         statistics.median(steps), wall, roof),
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefix_caching": config.cache.enable_prefix_caching,
