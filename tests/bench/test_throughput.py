@@ -57,3 +57,10 @@ def test_throughput_bench_counts_and_estimates(llama_dir: str, tmp_path: Path,
     bare = run([*common, "--runs", "1", "--no-roofline"], capsys)  # nothing cached, nothing measured
     assert (bare["mfu"], bare["mbu"], bare["flops_source"]) == (None, None, "none")
     assert bare["achieved_gflops"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--runs", "--num-prompts"])
+def test_throughput_bench_refuses_nothing_to_time(llama_dir: str, flag: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", "--model", llama_dir, flag, "0"]) == 2
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err

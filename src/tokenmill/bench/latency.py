@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost, decode_floor
-from tokenmill.bench.results import emit, peak_rss_mb, sig
+from tokenmill.bench.results import emit, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
@@ -50,9 +50,7 @@ class RunTiming:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag in ("input_len", "batch_size", "runs"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    require_positive(args, "input_len", "batch_size", "runs")
     if args.output_len < 2:
         raise ValueError("--output-len must be >= 2 (one prefill token plus at least one decode step)")
     if args.warmup < 0:

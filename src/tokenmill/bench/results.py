@@ -18,6 +18,13 @@ def sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def require_positive(args: Any, *flags: str) -> None:
+    """A ValueError naming the first of these options (argparse dests) that is below 1."""
+    for flag in flags:
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory. VmHWM where Linux has it: ru_maxrss keeps the
     forking parent's size across exec, which misreports a small child of a big parent."""

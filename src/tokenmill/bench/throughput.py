@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost
-from tokenmill.bench.results import emit, peak_rss_mb, sig
+from tokenmill.bench.results import emit, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenmill.entrypoints.llm import LLM
 
+    require_positive(args, "runs", "num_prompts")
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=not args.detokenize,
