@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     prompts, params = generate_inputs(reqs, args.ignore_eos)
     llm.generate(prompts[:16], [p.clone(max_tokens=min(16, p.max_tokens or 16)) for p in params[:16]],
                  use_tqdm=False)
-    walls, steps, lens = [], [], []
+    walls, steps, outs = [], [], []
     for _ in range(args.runs):
         llm.engine.reset_prefix_cache()
         steps0 = llm.engine.stats.num_steps
@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - t)
         steps.append(llm.engine.stats.num_steps - steps0)
-        lens = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs]
-    wall = statistics.median(walls)
+    wall, step_count = statistics.median(walls), statistics.median(steps)
+    lens = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs]  # the last run's
     prompt_tokens, output_tokens = sum(p for p, _ in lens), sum(o for _, o in lens)
     threads = torch.get_num_threads()
     device = config.device.device
@@ -116,9 +116,8 @@ def run(args: argparse.Namespace) -> int:
         "requests_per_s": round(len(reqs) / wall, 3), "output_tok_s": round(output_tokens / wall, 1),
         "total_tok_s": round((prompt_tokens + output_tokens) / wall, 1), "load_s": round(load_s, 2),
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
-        "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": statistics.median(steps),
-        "steps_runs": steps, **estimates(ModelCost(config.model.arch, config.model.dtype), lens,
-                                         statistics.median(steps), wall, roof),
+        "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": step_count, "steps_runs": steps,
+        **estimates(ModelCost(config.model.arch, config.model.dtype), lens, step_count, wall, roof),
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefix_caching": config.cache.enable_prefix_caching,
