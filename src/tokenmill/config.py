@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 
 import psutil
 
-from tokenmill.models.arch import ArchConfig, load_arch_config
+from tokenmill.arch import ArchConfig, load_arch_config
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,

@@ -11,7 +11,7 @@ import pytest
 from tokenmill.bench.model_math import ModelCost
 from tokenmill.bench.workload import random_workload
 from tokenmill.entrypoints.cli import main
-from tokenmill.models.arch import load_arch_config
+from tokenmill.arch import load_arch_config
 
 
 @pytest.fixture(autouse=True)

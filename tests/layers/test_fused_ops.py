@@ -11,7 +11,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.arch import RopeConfig
+from tokenmill.arch import RopeConfig
 
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None, reason="C++ kernels unavailable")

@@ -12,7 +12,7 @@ import torch
 
 PROBE = """
 import json, sys, psutil, torch
-from tokenmill.models.arch import load_arch_config
+from tokenmill.arch import load_arch_config
 from tokenmill.models.loader import load_model
 from tokenmill.layers.linear import pack_linears
 cfg = load_arch_config(sys.argv[1])

@@ -60,7 +60,7 @@ def default_vocab_high(tokenizer: Any | None, model: str | None) -> int:
     if tokenizer is not None:
         return len(tokenizer)
     if model and os.path.isfile(os.path.join(model, "config.json")):
-        from tokenmill.models.arch import load_arch_config
+        from tokenmill.arch import load_arch_config
 
         return load_arch_config(model).vocab_size
     raise ValueError("random token ids need a vocabulary size: pass --vocab-high, --tokenizer DIR, "

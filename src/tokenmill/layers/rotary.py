@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.models.arch import RopeConfig
+from tokenmill.arch import RopeConfig
 
 
 def inv_frequencies(rot_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -15,7 +15,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, Out
 from tokenmill.layers.linear import Embedding, Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.arch import ArchConfig
+from tokenmill.arch import ArchConfig
 
 
 class Attention(nn.Module):

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.models.arch import ArchConfig
-from tokenmill.models.registry import get_model_class
+from tokenmill.arch import ArchConfig, model_class
 
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -112,7 +111,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    cls = get_model_class(cfg.architecture)
+    cls = model_class(cfg.architecture)
     # Layers skip random init, so this allocates uninitialised storage in the target dtype and
     # touches nothing; the checkpoint then fills it. (Building on the meta device and calling
     # to_empty imports torch's symbolic-shape machinery: seconds and ~100 MB at start-up.)

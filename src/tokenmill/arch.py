@@ -1,4 +1,8 @@
-"""Reads a checkpoint's config.json into one typed ArchConfig.
+"""The torch-free description of the architectures tokenmill runs: `ArchConfig` (read from a
+checkpoint's config.json), `RopeConfig`, and the registry of architectures.
+
+`core/`, `config.py`, `layers/` and `bench/` import this module without importing `models/`: the
+registry names each model class by its dotted path, imported only by `model_class`.
 
 Both config dialects are understood: transformers 4 (`torch_dtype`, top-level `rope_theta`,
 `rope_scaling`) and transformers 5 (`dtype`, `rope_parameters`).
@@ -6,18 +10,42 @@ Both config dialects are understood: transformers 4 (`torch_dtype`, top-level `r
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    # name -> per-architecture defaults that config.json may leave out
-    "LlamaForCausalLM": {"attention_bias": False},
-    "MistralForCausalLM": {"attention_bias": False},
-    "Qwen2ForCausalLM": {"attention_bias": True},
-    "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One registered architecture: where its model class lives, and the config.json defaults that
+    its checkpoints may leave out."""
+
+    model_class: str  # "module:Class", imported lazily
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": False}),
+    "MistralForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": False}),
+    "Qwen2ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": True}),
+    "Qwen3ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM",
+                                 {"attention_bias": False, "qk_norm": True}),
 }
+
+
+def _unsupported(arch: object) -> ValueError:
+    return ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+
+
+def model_class(architecture: str) -> type:
+    """The model class registered for an architecture (its module is imported here)."""
+    if architecture not in ARCHITECTURES:
+        raise _unsupported(architecture)
+    module, name = ARCHITECTURES[architecture].model_class.split(":")
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
 
 
 @dataclass(frozen=True)
@@ -98,11 +126,9 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
 def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ArchConfig:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    defaults = SUPPORTED_ARCHITECTURES[arch]
+    if arch not in ARCHITECTURES:
+        raise _unsupported(arch)
+    defaults = ARCHITECTURES[arch].defaults
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
