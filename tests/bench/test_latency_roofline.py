@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from tokenmill.arch import load_arch_config
 from tokenmill.bench import roofline
 from tokenmill.bench.model_math import ModelCost
 from tokenmill.entrypoints.cli import main
-from tokenmill.arch import load_arch_config
 
 TINY = ["--gib", "0.004", "--n", "32", "--reps", "1"]  # sizes that measure nothing real, in milliseconds
 

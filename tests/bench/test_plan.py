@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tokenmill.arch import load_arch_config, parse_arch_config
 from tokenmill.bench.model_math import ModelCost, decode_floor, kv_capacity, max_requests
 from tokenmill.entrypoints.cli import main
-from tokenmill.arch import load_arch_config, parse_arch_config
 
 # hidden 64, 4 heads of 16 (2 KV heads), MLP 128, 2 layers, vocab 100. By hand:
 #   embedding 100*64 = 6400; attention per layer 64*(64+2*32) + 64*64 = 12288; MLP 3*64*128 = 24576;

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill.arch import load_arch_config
 from tokenmill.bench.model_math import ModelCost
 from tokenmill.bench.workload import random_workload
 from tokenmill.entrypoints.cli import main
-from tokenmill.arch import load_arch_config
 
 
 @pytest.fixture(autouse=True)

@@ -8,10 +8,10 @@ import torch
 
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
+from tokenmill.arch import RopeConfig
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.arch import RopeConfig
 
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None, reason="C++ kernels unavailable")

@@ -9,10 +9,10 @@ import json
 import sys
 from typing import Any
 
+from tokenmill.arch import ArchConfig, load_arch_config
 from tokenmill.bench.model_math import ModelCost, decode_floor, dtype_bytes, kv_capacity, max_requests
 from tokenmill.bench.roofline import Ceilings, ceilings
 from tokenmill.config import default_block_size, parse_memory
-from tokenmill.arch import ArchConfig, load_arch_config
 
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
 
