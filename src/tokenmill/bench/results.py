@@ -62,10 +62,9 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, metavar="FILE",
                    help="write the result to FILE as one indented JSON object, replacing FILE")
     p.add_argument("--output-jsonl", default=None, metavar="FILE",
-                   help="append the result to FILE as one JSON line, creating FILE if needed "
-                        "(e.g. bench/results/throughput.jsonl)")
+                   help="append the result to FILE as one JSON line, creating FILE if needed")
     p.add_argument("--result-name", default=None, metavar="NAME",
-                   help="saved as the result's 'result' key: the name bench/README.md cites it by")
+                   help="saved first in the result as its 'result' key, the name it is cited by")
 
 
 def unwritable(path: str) -> str | None:
