@@ -12,7 +12,7 @@ import torch
 
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None, reason="C++ CPU kernels unavailable")

@@ -11,7 +11,7 @@ import torch
 from tests.attention.test_backends import _ctx, make_batch
 from tokenmill.attention import get_backend
 from tokenmill.attention.cpu import CpuBackend
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 
 def _kernel_applies(dim: int) -> bool:

@@ -9,7 +9,7 @@ import torch
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch import RopeConfig
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 

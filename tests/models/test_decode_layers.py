@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 from tokenmill.layers.linear import gemv_layout_ok
 
 OPS = load_cpu_kernels()

@@ -5,7 +5,7 @@ of decode that costs more than the multiply itself (6-8x slower at batch 1 here)
 load time gives the same numbers (bitwise, in bf16) at close to memory bandwidth. The plain
 `nn.Linear` stays the reference path, and the one used for float32 and on CUDA.
 
-tokenmill's own kernel (csrc/gemv.cpp, "the GEMV") multiplies by the same packed weight: for decode's
+tokenmill's own kernel (kernels/cpu/linear/gemv.cpp, "the GEMV") multiplies by the same packed weight: for decode's
 1-4 rows it reads the weight 1.05-1.4x faster than oneDNN, and for more rows it prefetches the next
 block of the weight while it works on one: 1.0-1.3x oneDNN's speed on the 100M model's shapes, one
 thread, the most at 16-64 rows (tools/linear_bench.py). It relies on oneDNN's packed layout, so

@@ -10,9 +10,9 @@ import torch
 
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata, OutputRows, output_rows
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.kernels import load_cpu_kernels
 from tokenmill.layers.linear import pack_linears
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
