@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from tokenmill.layers.attention import attention_layers
 from tokenmill.worker.memory import zeros_lazily
 
@@ -26,6 +26,11 @@ class KVCacheTensors:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t, _ in self.groups)
+
+
+def kv_cache_specs(model: nn.Module, block_size: int, dtype: str) -> dict[str, KVCacheSpec]:
+    """Each attention layer's spec, by module name."""
+    return {name: layer.kv_cache_spec(block_size, dtype) for name, layer in attention_layers(model).items()}
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> KVCacheTensors:

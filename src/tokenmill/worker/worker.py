@@ -17,10 +17,9 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from tokenmill.layers import use_cpu_kernels
-from tokenmill.layers.attention import attention_layers
 from tokenmill.layers.linear import UnquantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
-from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches
+from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
 from tokenmill.worker.memory import keep_freed_memory
 from tokenmill.worker.model_runner import ModelRunner, PreparedStep
 
@@ -54,9 +53,7 @@ class Worker:
         self.backend = get_backend(cfg.attention_backend)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        block_size = self.config.cache.block_size
-        return {name: layer.kv_cache_spec(block_size, self.config.model.dtype)
-                for name, layer in attention_layers(self.model).items()}
+        return kv_cache_specs(self.model, self.config.cache.block_size, self.config.model.dtype)
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         caches = allocate_kv_caches(kv_config, self.device)
