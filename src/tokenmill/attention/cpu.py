@@ -6,8 +6,8 @@ query length); prefill chunks with no earlier context attend to their own fresh 
 cache read at all.
 
 `CpuBackend`: decodes and (bf16, on CPUs with AVX512-BF16) all prefill chunks of a step read
-K/V in place from the paged cache in C++ kernels (csrc/paged_decode.cpp,
-csrc/prefill_attention.cpp), with no gather copy. Falls back to SDPA where a kernel cannot be
+K/V in place from the paged cache in C++ kernels (kernels/cpu/attention/paged_decode.cpp,
+kernels/cpu/attention/prefill_attention.cpp), with no gather copy. Falls back to SDPA where a kernel cannot be
 built or does not apply."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, write_kv
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 # SDPA kernels for CUDA: not cuDNN's, which builds a plan for each new shape (45-72 ms apiece on an
 # H100) and so spent ~35 s of a 256-request run's first pass on prompts of new lengths
@@ -138,7 +138,7 @@ class CpuBackend(SdpaBackend):
         d = meta.num_decodes
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
-        # all prefill chunks in one call, K/V read in place from the cache (csrc/prefill_attention.cpp)
+        # all prefill chunks in one call, K/V read in place from the cache (kernels/cpu/attention/prefill_attention.cpp)
         self.ops.prefill_attention(q, k_cache, v_cache, meta.extra["prefill_tables"], meta.extra["prefill_starts"],
                                    meta.extra["prefill_lens"], scale, meta.sliding_window or 0, out)
         return out

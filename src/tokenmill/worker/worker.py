@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from tokenmill.attention import get_backend
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from tokenmill.layers import use_cpu_kernels
 from tokenmill.layers.linear import UnquantizedLinearMethod

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 from tokenmill.layers.linear import gemv_layout_ok
 from tokenmill.worker.fused_decode import FusedDecode
 
@@ -110,9 +110,11 @@ def test_decode_greedy_is_not_taken_for_sampled_rows(model_dirs: dict[str, str])
 def test_decode_layers_is_off_where_it_does_not_apply(model_dirs: dict[str, str]) -> None:
     llm = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
     assert llm.engine.core.executor.runner.fused_decode is not None
-    llm = LLM(model_dirs["qwen3-qknorm"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")  # q/k norms: not fused
+    # q/k norms: not fused
+    llm = LLM(model_dirs["qwen3-qknorm"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
     assert llm.engine.core.executor.runner.fused_decode is None
-    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="float32", kv_cache_memory="4MiB", device="cpu")  # no packed bf16 GEMV
+    # no packed bf16 GEMV
+    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="float32", kv_cache_memory="4MiB", device="cpu")
     assert llm.engine.core.executor.runner.fused_decode is None
     llm = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu",
               attention_backend="torch_ref")  # not the C++ attention backend's tables

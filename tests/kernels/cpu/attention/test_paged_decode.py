@@ -1,7 +1,7 @@
-"""The C++ paged decode kernel against the torch_ref oracle on what the backend tests leave out:
-engine-sized blocks, long contexts over many blocks, lengths off the 16-key tile, GQA groups from 1
-to 16, head size 128, blocks of other sizes, strided q (a split of a fused qkv projection), and
-cache slots past a context that hold NaN and must not be read."""
+"""The C++ paged decode kernel (kernels/cpu/attention/paged_decode.cpp) against the torch_ref oracle on
+what the backend tests leave out: engine-sized blocks, long contexts over many blocks, lengths off the
+16-key tile, GQA groups from 1 to 16, head size 128, blocks of other sizes, strided q (a split of a
+fused qkv projection), and cache slots past a context that hold NaN and must not be read."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None, reason="C++ CPU kernels unavailable")

@@ -1,7 +1,8 @@
-"""The C++ prefill attention kernel (csrc/prefill_attention.cpp, via the `cpu` backend) against the
-torch_ref oracle, on what test_backends leaves out: the engine's block size, prompts spanning many
-blocks, several prompts per call, chunks after a long context, windows smaller than the chunk, head
-sizes 32/64/128, wide GQA groups and query lengths that do not fill the kernel's tiles."""
+"""The C++ prefill attention kernel (kernels/cpu/attention/prefill_attention.cpp, via the `cpu` backend)
+against the torch_ref oracle, on what tests/attention/test_backends leaves out: the engine's block size,
+prompts spanning many blocks, several prompts per call, chunks after a long context, windows smaller
+than the chunk, head sizes 32/64/128, wide GQA groups and query lengths that do not fill the kernel's
+tiles."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from tests.attention.test_backends import _ctx, make_batch
 from tokenmill.attention import get_backend
 from tokenmill.attention.cpu import CpuBackend
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 
 def _kernel_applies(dim: int) -> bool:
