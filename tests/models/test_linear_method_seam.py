@@ -20,11 +20,11 @@ from tests.conftest import random_prompts
 from tokenmill.arch import load_arch_config
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.kv_cache_spec import plan_kv_cache
 from tokenmill.layers.linear import LinearBase
 from tokenmill.models.interface import CausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
-from tokenmill.kv_cache_spec import plan_kv_cache
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 

@@ -11,8 +11,8 @@ import pytest
 from tests.conftest import random_prompts
 from tests.fixtures import build_model, hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineArgs, _resolve_dtype, default_block_size
 from tokenmill.arch import load_arch_config, parse_arch_config
+from tokenmill.config import EngineArgs, _resolve_dtype, default_block_size
 from tokenmill.models.loader import checkpoint_files
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

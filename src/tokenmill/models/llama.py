@@ -22,8 +22,9 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, ModelOptions
 
 # checkpoint projection -> (our fused parameter's module, shard id)
-STACKED: dict[str, tuple[str, ShardId]] = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+STACKED: dict[str, tuple[str, ShardId]] = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class Attention(nn.Module):
