@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.core.messages import EngineCoreOutput, PositionLogprobsWire
+from tokenmill.core.messages import EngineCoreOutput, LogprobEntry
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -150,7 +150,7 @@ class OutputProcessor:
         child.finish_reason, child.stop_reason = "stop", s
         return True
 
-    def _logprobs(self, entry: PositionLogprobsWire) -> PositionLogprobs:
+    def _logprobs(self, entry: LogprobEntry) -> PositionLogprobs:
         ids, lps, ranks = entry
         return {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in zip(ids, lps, ranks, strict=False)}
 
