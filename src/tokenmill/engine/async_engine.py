@@ -19,10 +19,10 @@ from typing import Any
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.core.messages import SchedulerStats
 from tokenmill.engine.core_client import CoreClient
-from tokenmill.engine.core_proc import CoreStep, EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from tokenmill.engine.llm_engine import child_requests
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.wire import CoreStep, EngineDeadError
 from tokenmill.metrics import EngineMetrics
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams

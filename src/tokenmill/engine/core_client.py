@@ -1,5 +1,5 @@
 """The API process's side of the engine core: spawns the core process (core_proc), owns the
-two ZMQ sockets, and notices the core's death through its process sentinel."""
+two ZMQ sockets (messages in wire), and notices the core's death through its process sentinel."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import zmq.asyncio
 
 from tokenmill.config import EngineArgs
 from tokenmill.core.messages import EngineCoreRequest
-from tokenmill.engine.core_proc import (
+from tokenmill.engine.core_proc import run_engine_core
+from tokenmill.engine.wire import (
     ABORT,
     ADD,
     FAILED,
@@ -35,7 +36,6 @@ from tokenmill.engine.core_proc import (
     UtilityCall,
     decode,
     encode,
-    run_engine_core,
 )
 
 logger = logging.getLogger(__name__)
