@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from typing import Any
@@ -39,6 +38,7 @@ from tokenmill.engine.wire import (
     decode,
     encode,
 )
+from tokenmill.fast_exit import fast_exit
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +80,7 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
         inp.close(linger=0)
         out.close()
         ctx.term()
-    _fast_exit(code)
-
-
-def _fast_exit(code: int) -> None:
-    """Skips interpreter teardown, which takes seconds with torch loaded; nothing is left to flush."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    fast_exit(code)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from tokenmill.config import EngineArgs, default_async_scheduling, resolve_device
+from tokenmill.fast_exit import fast_exit
 
 DEMO_MODEL = os.path.join("models", "tokenmill-demo")
 STARTED_AT = time.time()  # imported while the CLI builds its parser: the reference for "ready in"
@@ -85,8 +84,4 @@ def run(args: argparse.Namespace) -> int:
         code = 130
     except SystemExit as e:  # SIGTERM, after a graceful stop
         code = e.code if isinstance(e.code, int) else 1
-    # Both processes are down and flushed; skip the interpreter teardown (seconds with torch loaded).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    fast_exit(code)  # both processes are down
