@@ -248,5 +248,7 @@ def default_async_scheduling(device: str, num_threads: int | None, busy_cpus: in
     return cpus > (num_threads or cpus) + busy_cpus
 
 
-def default_num_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)))
+def default_num_threads(busy_cpus: int = 0) -> int:
+    """Compute threads when none are asked for: one per CPU this process may run on, less
+    busy_cpus left to other work (`tokenmill serve` leaves one to its API process); at least one."""
+    return max(1, len(os.sched_getaffinity(0)) - busy_cpus)
