@@ -155,17 +155,17 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.tokenize(prompt)
-        if self.max_queue_len is not None:
+        now = time.time()
+        delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
+        children = child_requests(request_id, delta_params)
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
+        if self.max_queue_len is not None:  # after validation: a bad request is a ValueError, never a full queue
             capacity = self.config.scheduler.max_num_seqs + self.max_queue_len
             if params.n > capacity:
                 raise ValueError(f"n ({params.n}) is more than this server's capacity of {capacity} sequences")
             if sum(self._num_seqs.values()) + params.n > capacity:
                 raise QueueFullError(f"the server is at capacity ({capacity} sequences running or queued); "
                                      "retry later")
-        now = time.time()
-        delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
-        children = child_requests(request_id, delta_params)
-        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           delta_params, [cid for cid, _ in children], now)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
