@@ -53,3 +53,5 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # request id -> when the scheduler first scheduled it, for those first scheduled since the last outputs
+    scheduled: dict[str, float] = msgspec.field(default_factory=dict)

@@ -17,12 +17,12 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import EngineArgs, EngineConfig
-from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.core_client import CoreClient
 from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from tokenmill.engine.llm_engine import child_requests
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.wire import CoreStep, EngineDeadError
+from tokenmill.engine.wire import EngineDeadError
 from tokenmill.metrics import EngineMetrics
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -215,16 +215,13 @@ class AsyncLLM:
             logger.exception("the output loop failed")
             self._fail_all(EngineDeadError(f"the engine front end failed: {type(e).__name__}: {e}"))
 
-    def _handle_step(self, step: CoreStep) -> None:
+    def _handle_step(self, outs: EngineCoreOutputs) -> None:
         now = time.time()
-        outs = step.outputs
         if outs.stats is not None:
             self.stats = outs.stats
             self.metrics.scheduler_stats(outs.stats)
-        for child_id, when in step.scheduled.items():
-            parent = self.output_processor.child_to_parent.get(child_id)
-            if parent is not None:
-                self.metrics.request_scheduled(parent, when)
+        for request_id, when in self.output_processor.record_scheduled(outs.scheduled):
+            self.metrics.request_scheduled(request_id, when)
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:
             self.client.abort_requests(to_stop)

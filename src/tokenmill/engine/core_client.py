@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.messages import EngineCoreRequest
+from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.engine.wire import (
     ABORT,
@@ -31,7 +31,6 @@ from tokenmill.engine.wire import (
     UTILITY_RESULT,
     AbortRequests,
     CoreReady,
-    CoreStep,
     EngineDeadError,
     UtilityCall,
     decode,
@@ -132,7 +131,7 @@ class CoreClient:
         self._send(UTILITY, UtilityCall(self._call_ids, method))
         return await fut
 
-    async def get_output(self) -> CoreStep:
+    async def get_output(self) -> EngineCoreOutputs:
         """The next batch of outputs; utility results are resolved on the way."""
         while True:
             if self.dead is not None:

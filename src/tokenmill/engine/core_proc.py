@@ -32,7 +32,6 @@ from tokenmill.engine.wire import (
     UTILITY_RESULT,
     CoreFailed,
     CoreReady,
-    CoreStep,
     UtilityCall,
     UtilityResult,
     decode,
@@ -93,7 +92,6 @@ class CoreLoop:
         self.inp = inp
         self.out = out
         self.parent_pid = os.getppid()
-        self.unscheduled: set[str] = set()  # added, not yet scheduled once
         self.stopping = False
 
     def run(self) -> None:
@@ -123,7 +121,6 @@ class CoreLoop:
                 for req in msg:
                     self._add(req)
             elif kind == ABORT:
-                self.unscheduled.difference_update(msg.request_ids)
                 self._send(self.core.abort_requests(msg.request_ids))
             elif kind == UTILITY:
                 self._utility(msg)
@@ -134,7 +131,6 @@ class CoreLoop:
     def _add(self, req: EngineCoreRequest) -> None:
         try:
             self.core.add_request(req)
-            self.unscheduled.add(req.request_id)
         except ValueError as e:  # the front end keeps ids unique; never let one request kill the core
             logger.error("rejected request %s: %s", req.request_id, e)
 
@@ -149,14 +145,7 @@ class CoreLoop:
         self.out.send_multipart([UTILITY_RESULT, encode(result)])
 
     def _step(self) -> None:
-        started = time.time()
-        outputs = self.core.step()
-        scheduled: dict[str, float] = {}
-        if self.unscheduled:
-            waiting = {r.request_id for r in self.core.scheduler.waiting}
-            scheduled = {rid: started for rid in self.unscheduled if rid not in waiting}
-            self.unscheduled.difference_update(scheduled)
-        self._send(outputs, scheduled)
+        self._send(self.core.step())
 
-    def _send(self, outputs: EngineCoreOutputs, scheduled: dict[str, float] | None = None) -> None:
-        self.out.send_multipart([OUTPUTS, encode(CoreStep(outputs, scheduled or {}))], copy=False)
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        self.out.send_multipart([OUTPUTS, encode(outputs)], copy=False)

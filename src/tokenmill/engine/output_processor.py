@@ -79,6 +79,20 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return list(parent.children) if parent else []
 
+    def record_scheduled(self, scheduled: dict[str, float]) -> list[tuple[str, float]]:
+        """Sets first_scheduled_time from the core's (child id -> when it was first scheduled);
+        returns the (request id, time) of the requests that got theirs now."""
+        recorded = []
+        for child_id, when in scheduled.items():
+            request_id = self.child_to_parent.get(child_id)
+            if request_id is None:
+                continue  # finished or aborted meanwhile
+            metrics = self.parents[request_id].metrics
+            if metrics.first_scheduled_time is None:  # n > 1: the first child scheduled
+                metrics.first_scheduled_time = when
+                recorded.append((request_id, when))
+        return recorded
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to publish and the child ids the core must stop
         (they hit a stop string)."""

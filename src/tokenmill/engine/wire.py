@@ -1,5 +1,6 @@
 """What the API process and the engine core process say to each other: the message kinds,
-their typed msgspec payloads, and the one encoder and decoders both sides use.
+their typed msgspec payloads (besides core.messages' EngineCoreRequest and EngineCoreOutputs),
+and the one encoder and decoders both sides use.
 
 A message is two ZMQ frames, `[kind, msgpack payload]`. Both processes import this module;
 the core's side is core_proc, the API process's side core_client.
@@ -47,12 +48,6 @@ class CoreFailed(msgspec.Struct, array_like=True):
     message: str
 
 
-class CoreStep(msgspec.Struct, array_like=True):
-    outputs: EngineCoreOutputs
-    # request id -> time of the step that first scheduled it (queue-time metrics)
-    scheduled: dict[str, float] = msgspec.field(default_factory=dict)
-
-
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; no request can be served."""
 
@@ -60,7 +55,7 @@ class EngineDeadError(RuntimeError):
 encode = msgspec.msgpack.Encoder().encode
 _DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     ADD: msgspec.msgpack.Decoder(list[EngineCoreRequest]), ABORT: msgspec.msgpack.Decoder(AbortRequests),
-    UTILITY: msgspec.msgpack.Decoder(UtilityCall), OUTPUTS: msgspec.msgpack.Decoder(CoreStep),
+    UTILITY: msgspec.msgpack.Decoder(UtilityCall), OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
     UTILITY_RESULT: msgspec.msgpack.Decoder(UtilityResult), READY: msgspec.msgpack.Decoder(CoreReady),
     FAILED: msgspec.msgpack.Decoder(CoreFailed),
 }
