@@ -1,4 +1,5 @@
-"""(CPU) ops.decode_layers (the layer loop of a pure-decode step in one C++ call) against the Python
+"""(CPU) the fused decode path (worker/fused_decode.py: ops.decode_layers, the layer loop of a pure-decode
+step in one C++ call) against the Python
 layer loop it replaces: it calls the same kernels on the same tensors, so tokens and logprobs must
 be bitwise equal, for every architecture it takes (Llama, Qwen2's qkv bias, Mistral's window)."""
 
@@ -12,10 +13,20 @@ from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 from tokenmill.layers.linear import gemv_layout_ok
+from tokenmill.worker.fused_decode import FusedDecode
 
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_packed_gemv() or not gemv_layout_ok(OPS),
                                 reason="needs the C++ kernels with the AVX512-BF16 GEMV on oneDNN's AB16b64a2b")
+
+
+def _use_fused(llm: LLM, ops: Any, fused: bool) -> None:
+    """The runner's fused decode path through `ops`, or none: the Python layer loop, the reference."""
+    runner = llm.engine.core.executor.runner
+    runner.fused_decode = FusedDecode.create(runner.model, ops, runner.backend) if fused else None
+    if fused:  # every projection's GEMV is called by address, not through the op
+        ptrs = runner.fused_decode.gemv_ptrs
+        assert ptrs.numel() == 4 * len(runner.model.layers) and bool((ptrs != 0).all())
 
 
 class CountingOps:
@@ -31,12 +42,8 @@ class CountingOps:
 def _run(model_dir: str, fused: bool, num_prompts: int, params: Any = None, count: str = "decode_layers",
          **engine_args: Any) -> tuple[list[Any], int]:
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="4MiB", device="cpu", **engine_args)
-    model = llm.engine.core.executor.runner.model
-    model.enable_fused_ops(OPS, decode_layers=fused)
-    if fused:  # every projection's GEMV is called by address, not through the op
-        assert model._gemv_ptrs.numel() == 4 * len(model.layers) and bool((model._gemv_ptrs != 0).all())
     counter = CountingOps(OPS, count)
-    model.ops = counter
+    _use_fused(llm, counter, fused)
     prompts = random_prompts(num_prompts, 3, 40, seed=num_prompts)
     params = params or SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
     return llm.generate(prompts, params, use_tqdm=False), counter.calls
@@ -83,9 +90,8 @@ def test_decode_greedy_through_preemption(model_dirs: dict[str, str], async_sche
     for fused in (True, False):
         llm = LLM(model_dirs["llama-gqa4-untied"], dtype="bfloat16", device="cpu", num_kv_blocks=12, block_size=8,
                   max_model_len=96, async_scheduling=async_scheduling)
-        model = llm.engine.core.executor.runner.model
-        model.enable_fused_ops(OPS, decode_layers=fused)
-        model.ops = counter = CountingOps(OPS, "decode_greedy")
+        counter = CountingOps(OPS, "decode_greedy")
+        _use_fused(llm, counter, fused)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         calls.append(counter.calls)
         assert llm.engine.core.scheduler.num_preemptions > 0
@@ -102,7 +108,12 @@ def test_decode_greedy_is_not_taken_for_sampled_rows(model_dirs: dict[str, str])
 
 
 def test_decode_layers_is_off_where_it_does_not_apply(model_dirs: dict[str, str]) -> None:
+    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
+    assert llm.engine.core.executor.runner.fused_decode is not None
     llm = LLM(model_dirs["qwen3-qknorm"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")  # q/k norms: not fused
-    assert llm.engine.core.executor.runner.model._layer_weights is None
+    assert llm.engine.core.executor.runner.fused_decode is None
     llm = LLM(model_dirs["llama-gqa2-tied"], dtype="float32", kv_cache_memory="4MiB", device="cpu")  # no packed bf16 GEMV
-    assert llm.engine.core.executor.runner.model._layer_weights is None
+    assert llm.engine.core.executor.runner.fused_decode is None
+    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu",
+              attention_backend="torch_ref")  # not the C++ attention backend's tables
+    assert llm.engine.core.executor.runner.fused_decode is None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context
+from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, write_kv
 from tokenmill.attention.cpu_kernels import load_cpu_kernels
 
 # SDPA kernels for CUDA: not cuDNN's, which builds a plan for each new shape (45-72 ms apiece on an
@@ -44,6 +44,10 @@ class SdpaBackend:
             mask &= pos[None, :] >= (lens - meta.sliding_window)[:, None]
         meta.extra["decode_index"] = idx.reshape(-1)
         meta.extra["decode_mask"] = mask[:, None, None, :]
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -112,6 +116,19 @@ class CpuBackend(SdpaBackend):
             meta.extra["prefill_tables"] = _padded_tables(meta.block_tables[d:])
             meta.extra["prefill_starts"] = torch.tensor(meta.query_start_loc[d:], dtype=torch.int32)
             meta.extra["prefill_lens"] = torch.tensor(meta.seq_lens[d:], dtype=torch.int32)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if self.ops is not None and k.device.type == "cpu":
+            self.ops.write_kv_(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The padded block tables and context lengths of the step's decodes, as the C++ decode
+        kernels read them; None where this step has no decode or they are not built."""
+        tables = meta.extra.get("decode_tables")
+        return None if tables is None else (tables, meta.extra["decode_lens"])
 
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from tokenmill.bench.results import emit, machine
+from tokenmill.bench.results import ResultSink, emit, machine
 from tokenmill.config import default_num_threads
 
 FIELDS = ("mem_read_GBps", "mem_copy_GBps", "matvec_bf16_GBps", "matmul_fp32_gflops", "matmul_bf16_gflops")
@@ -37,7 +37,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="measure again even if a cached measurement exists (the new one is still saved)")
-    p.add_argument("--output-json", default=None)
 
 
 def add_ceiling_args(p: argparse.ArgumentParser) -> None:
@@ -230,5 +229,5 @@ def run(args: argparse.Namespace) -> int:
         result[key] = max(v[key] for v in per.values())
     result.update({"per_threads": per, "cached": cached, "gib": args.gib, "n": args.n, "reps": args.reps,
                    "cache_file": cache_path()})
-    emit(result, args.output_json)
+    emit(result, ResultSink.from_args(args))
     return 0

@@ -14,14 +14,15 @@ from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.executor.uniproc import Executor, UniProcExecutor
+from tokenmill.executor.abstract import Executor
+from tokenmill.executor.uniproc import UniProcExecutor
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.executor: Executor = executor if executor is not None else UniProcExecutor(config)
-        num_blocks = self.executor.num_blocks
+        num_blocks = self.executor.initialize_kv_cache().num_blocks
         capacity = num_blocks * config.cache.block_size
         if capacity < config.model.max_model_len:
             raise ValueError(
