@@ -1,7 +1,13 @@
-"""Sampling parameters of one request, validated on construction."""
+"""Sampling parameters of one request, validated on construction.
+
+The bounds below are the one definition of what a request may ask for: SamplingParams enforces
+them (a ValueError naming the field) and the OpenAI server's request schemas declare them, so
+/openapi.json documents them and an out-of-range value never reaches the engine (where an
+integer past int64 overflows a tensor or the wire encoding)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -10,6 +16,14 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _GREEDY_EPS = 1e-5
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_N = 128  # OpenAI's limit on choices per prompt
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], or are -inf (a ban)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class RequestOutputKind(Enum):
@@ -23,7 +37,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
+    top_k: int = 0  # 0 or -1: off; above the vocabulary: all of it
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
@@ -36,7 +50,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # -inf bans a token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -49,44 +63,51 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        for name in _FLOAT_FIELDS:  # the sampler builds float tensors from these; an int past int64 overflows
+            setattr(self, name, float(getattr(self, name)))
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
 
     def _validate(self) -> None:
-        checks: list[tuple[bool, str]] = [
-            (_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (_is_num(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature!r}"),
-            (_is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (_is_int(self.top_k) and self.top_k >= 0,
-             f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}"),
-            (_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
-            (self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-             f"max_tokens must be at least 1, got {self.max_tokens!r}"),
-            (_is_int(self.min_tokens) and self.min_tokens >= 0,
-             f"min_tokens must be >= 0, got {self.min_tokens!r}"),
+        for ok, message in self._checks():
+            if not ok:
+                raise ValueError(message)
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        return [
+            (_in(self.n, 1, MAX_N), f"n must be an integer in [1, {MAX_N}], got {self.n!r}"),
+            (_finite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (_in(self.top_k, 0, INT64_MAX),
+             f"top_k must be -1 (off) or an integer in [0, 2**63 - 1], got {self.top_k!r}"),
+            (_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (self.seed is None or _in(self.seed, INT64_MIN, INT64_MAX),
+             f"seed must be a signed 64-bit integer, got {self.seed!r}"),
+            (self.max_tokens is None or _in(self.max_tokens, 1, INT64_MAX),
+             f"max_tokens must be an integer in [1, 2**63 - 1], got {self.max_tokens!r}"),
+            (_in(self.min_tokens, 0, INT64_MAX),
+             f"min_tokens must be an integer in [0, 2**63 - 1], got {self.min_tokens!r}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
-            (self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-             f"logprobs must be a non-negative integer, got {self.logprobs!r}"),
-            (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-             f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}"),
-            (_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            (all(_is_unicode(s) for s in self.stop), "stop strings must be valid Unicode (no lone surrogates)"),
+            (all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative token ids"),
+            (self.logprobs is None or _in(self.logprobs, 0, MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or _in(self.prompt_logprobs, 0, MAX_LOGPROBS),
+             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
+            (_finite(self.presence_penalty) and -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
-            (_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            (_finite(self.frequency_penalty) and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
-            (_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
-            (all(-100 <= v <= 100 for v in self.logit_bias.values()),
-             "logit_bias values must be in [-100, 100]"),
-            (all(k >= 0 for k in self.logit_bias), "logit_bias keys must be non-negative token ids"),
+            (_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
+            (all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS or v == -math.inf for v in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100] (or -inf, which bans the token)"),
+            (all(0 <= k <= INT64_MAX for k in self.logit_bias), "logit_bias keys must be non-negative token ids"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
 
     @property
     def greedy(self) -> bool:
@@ -107,7 +128,7 @@ def _coerce(name: str, value: Any, convert: Callable[[Any], T]) -> T:
     """Normalise a field; a value of the wrong type is a ValueError naming the field."""
     try:
         return convert(value)
-    except (TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError, AttributeError, OverflowError):
         raise ValueError(f"{name} has the wrong type: {value!r}") from None
 
 
@@ -115,5 +136,26 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _in(x: object, lo: int, hi: int) -> bool:
+    """An integer (not a bool) in [lo, hi]."""
+    return _is_int(x) and lo <= x <= hi  # type: ignore[operator]
+
+
+def _finite(x: object) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int past float's range
+        return False
+
+
+def _is_unicode(s: object) -> bool:
+    """Whether a str encodes as UTF-8: a lone surrogate (JSON's "\\ud800") does not."""
+    if not isinstance(s, str) or s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
