@@ -17,6 +17,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[3]
 # CPUs left to the API process (HTTP, tokenization, detokenization) when --num-threads is not given:
 # compute threads that share a CPU with it are descheduled mid-step
 API_PROCESS_CPUS = 1
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 
 def register(subparsers: Any) -> None:
@@ -35,11 +36,25 @@ def register(subparsers: Any) -> None:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="abort requests running longer than this many seconds (default: none)")
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (413 above)")
+    p.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                   help="the most sequences one request may fan out into, its prompts times n (20 prompts with "
+                        "n=4 are 80); more get a 400 (default: %(default)s, or --max-num-seqs plus --max-queue-len "
+                        "when --max-queue-len is set and that is less)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, model_root=None)
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """MODEL defaults to the demo model, found from any directory. The API names the model as the
+    argument was given (the demo's relative path when none was), never the absolute path it
+    resolved to, as vLLM does; model_root keeps that name for /v1/models' root."""
+    args.model_root = args.model if args.model is not None else DEMO_MODEL
+    if args.served_model_name is None:
+        args.served_model_name = args.model_root
+    args.model = resolve_model(args.model)
 
 
 def resolve_model(model: str | None) -> str:
@@ -72,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be positive, got {args.request_timeout}")
-    args.model = resolve_model(args.model)
+    if args.max_prompts_per_request < 1:
+        raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}")
+    resolve_model_args(args)
     if args.num_threads is None:
         args.num_threads = default_num_threads(busy_cpus=API_PROCESS_CPUS)
     if args.async_scheduling is None:

@@ -41,6 +41,14 @@ def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def max_sequences_per_request(args: argparse.Namespace, max_num_seqs: int) -> int:
+    """--max-prompts-per-request, or the server's whole capacity when --max-queue-len sets one and
+    that is less: a request over it could never be admitted."""
+    if args.max_queue_len is None:
+        return int(args.max_prompts_per_request)
+    return min(int(args.max_prompts_per_request), max_num_seqs + args.max_queue_len)
+
+
 def model_names(served_name: str, model: str) -> tuple[str, frozenset[str]]:
     aliases = {model, os.path.abspath(model), os.path.basename(os.path.normpath(model))}
     return served_name, frozenset(aliases - {served_name})
@@ -63,7 +71,8 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
     try:
         model = engine.config.model
         name, aliases = model_names(model.served_model_name, model.model)
-        ctx = ServerContext(engine, name, aliases, chat_template, args.request_timeout)
+        ctx = ServerContext(engine, name, aliases, chat_template, args.request_timeout, args.model_root or model.model,
+                            max_sequences_per_request(args, engine.config.scheduler.max_num_seqs))
         app = build_app(ctx, args.api_key, args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 access_log=args.access_log, lifespan="off", timeout_graceful_shutdown=5,

@@ -1,78 +1,77 @@
-"""OpenAI API schemas (pydantic). Requests are strict and forbid unknown fields, so a
-typo or an unsupported feature is a 400 that names the field, never silently ignored."""
+"""OpenAI API schemas (pydantic). Requests are strict and forbid unknown fields, so a typo or an
+unsupported feature is a 400 that names the field, never silently ignored. Every number is bounded
+(sampling_params' bounds, int64 where OpenAI and vLLM set none) and every string must be valid
+Unicode, so a request the schema accepts cannot overflow or crash anything behind it."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-# OpenAI fields tokenmill does not implement: accepted only with a value that asks for nothing.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "store": (None, False), "metadata": (None,), "service_level": (None,),
-    "service_tier": (None, "auto", "default"), "reasoning_effort": (None,), "web_search_options": (None,),
-    "best_of": (None, 1), "logprobs_for_prompt": (None,),
-}
-
-
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unsupported(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for key in [k for k in data if k in _NEUTRAL and k not in cls.model_fields]:
-            if data[key] not in _NEUTRAL[key]:
-                raise PydanticCustomError("unsupported_field", "'{field}' is not supported by tokenmill",
-                                          {"field": key})
-            data = {k: v for k, v in data.items() if k != key}
-        return data
+from tokenmill.entrypoints.openai.request_types import (
+    INTEGRAL,
+    Int64,
+    NonEmptyStr,
+    OpenAIRequest,
+    Penalty,
+    RequestId,
+    TokenId,
+    requires,
+    token_count,
+)
+from tokenmill.sampling_params import INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: not sent
 
 
 class SamplingRequest(OpenAIRequest):
     """Fields completions and chat share, including vLLM's extras."""
 
+    checks_unicode: ClassVar[bool] = True
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = Field(1, ge=1, le=128)
+    max_tokens: Annotated[int, token_count(1), INTEGRAL] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), INTEGRAL] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_tokens: Annotated[int, token_count(0), INTEGRAL] = 0
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
+    request_id: RequestId | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX), INTEGRAL] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[NonEmptyStr] | None = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    model_config = ConfigDict(json_schema_extra={"allOf": [requires("max_tokens", 0, "echo", True)]})
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: Annotated[int, token_count(0), INTEGRAL] | None = 16  # 0 only with echo: scoring a prompt
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     add_special_tokens: bool = True
 
 
@@ -92,28 +91,63 @@ class ChatMessage(OpenAIRequest):
         return "".join(part.text for part in self.content)
 
 
+class PredictionContent(OpenAIRequest):
+    """OpenAI's predicted output (a speculation hint); accepted and ignored."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        requires("continue_final_message", True, "add_generation_prompt", False)]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int, token_count(1), INTEGRAL] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # IGNORED_FIELDS that only chat has
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: PredictionContent | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
 
 
 class TokenizeRequest(OpenAIRequest):
+    """Exactly one of prompt (text) or messages (through the chat template)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    checks_unicode: ClassVar[bool] = True
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | SkipJsonSchema[None] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_input(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = [k for k in ("prompt", "messages") if k in data]
+            if len(given) != 1 or data[given[0]] is None:
+                raise PydanticCustomError("one_input", "give exactly one of 'prompt' or 'messages'")
+        return data
+
 
 class DetokenizeRequest(OpenAIRequest):
+    checks_unicode: ClassVar[bool] = True
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -227,6 +261,14 @@ class ModelCard(BaseModel):
     owned_by: str = "tokenmill"
     root: str | None = None
     max_model_len: int | None = None
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    reset: bool
 
 
 class ModelList(BaseModel):

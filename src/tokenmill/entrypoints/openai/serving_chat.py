@@ -4,7 +4,6 @@ top_logprobs, streaming deltas (role first, then content, one chunk with finish_
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,40 +28,48 @@ from tokenmill.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, collect_final, merge_streams, sse_stream
+from tokenmill.entrypoints.openai.serving_engine import (
+    REQUEST_ID_HEADER,
+    OpenAIServing,
+    collect_final,
+    merge_streams,
+    sse_stream,
+)
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        self.check_request(req, 1)
+        ids = self.request_ids(raw, req, "chatcmpl")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                             req.chat_template_kwargs)
+                             req.chat_template_kwargs, req.truncate_prompt_tokens)
         param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         max_tokens = self.max_tokens(len(prompt.prompt_token_ids), requested, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, None, bool(req.stream))
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.submit([prompt], [params], request_id, req.priority)
+        streams = self.submit([prompt], [params], ids.engine_id, req.priority)
+        headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
-            return StreamingResponse(sse_stream(self._stream(request_id, req, prompt, streams)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams)),
+                                     media_type="text/event-stream", headers=headers)
         [final] = await self.guard(raw, collect_final(streams))
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                               logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in final.outputs]
-        response = ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+        response = ChatCompletionResponse(id=ids.response_id, model=self.ctx.model_name, choices=choices,
                                           usage=_usage(prompt, sum(len(c.token_ids) for c in final.outputs)))
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=headers)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+               continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+               truncate: int | None = None) -> ProcessedPrompt:
         ids = self.template_ids(messages, add_generation_prompt, continue_final_message, kwargs)
-        return self.tokenize(ids, param="messages")
+        return self.tokenize(ids, param="messages", truncate=truncate)
 
     def template_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                      continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -4,7 +4,6 @@ prompt logprobs (lm-eval's loglikelihood scoring, max_tokens=0 included), stream
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -22,6 +21,7 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
+    REQUEST_ID_HEADER,
     OpenAIServing,
     collect_final,
     merge_streams,
@@ -32,8 +32,10 @@ from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        prompts = self._prompts(req)
+        items = _prompt_items(req.prompt)
+        self.check_request(req, len(items))
+        ids = self.request_ids(raw, req, "cmpl")
+        prompts = [self.tokenize(p, req.add_special_tokens, truncate=req.truncate_prompt_tokens) for p in items]
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
@@ -41,28 +43,17 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(req, 1 if echo_only else self.max_tokens(len(p.prompt_token_ids),
                                                                                  req.max_tokens),
                                        req.logprobs, prompt_logprobs, bool(req.stream)) for p in prompts]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self.submit(prompts, params, request_id, req.priority)
+        streams = self.submit(prompts, params, ids.engine_id, req.priority)
         view = _ChoiceBuilder(self, req, prompts, echo_only)
+        headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
-            return StreamingResponse(sse_stream(self._stream(request_id, view, streams)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(sse_stream(self._stream(ids.response_id, view, streams)),
+                                     media_type="text/event-stream", headers=headers)
         finals = await self.guard(raw, collect_final(streams))
         choices = [view.choice(i, comp, final) for i, final in enumerate(finals) for comp in final.outputs]
-        response = CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+        response = CompletionResponse(id=ids.response_id, model=self.ctx.model_name, choices=choices,
                                       usage=view.usage())
-        return JSONResponse(response.model_dump())
-
-    def _prompts(self, req: CompletionRequest) -> list[ProcessedPrompt]:
-        raw = req.prompt
-        items: list[str | list[int]]
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            items = [raw]
-        else:
-            items = list(raw)  # type: ignore[arg-type]
-        if not items:
-            raise bad_request("the prompt is empty", "prompt")
-        return [self.tokenize(p, req.add_special_tokens) for p in items]
+        return JSONResponse(response.model_dump(), headers=headers)
 
     async def _stream(self, request_id: str, view: _ChoiceBuilder,
                       streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -87,6 +78,17 @@ class OpenAIServingCompletion(OpenAIServing):
         if opts and opts.include_usage:
             yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                      usage=view.usage()).model_dump_json()
+
+
+def _prompt_items(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a request: a text, a list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [[int(t) for t in prompt]]
+    return [p for p in prompt if not isinstance(p, int)]
 
 
 class _ChoiceBuilder:

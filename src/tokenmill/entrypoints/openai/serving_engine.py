@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -17,11 +21,15 @@ from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullEr
 from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import SamplingRequest
+from tokenmill.entrypoints.openai.request_types import IGNORED_FIELDS, REQUEST_ID_PATTERN
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_INT64 = 2**63
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # a logit_bias key; int() of a long or non-ASCII digit string fails
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass
@@ -31,10 +39,20 @@ class ServerContext:
     model_aliases: frozenset[str]  # other names requests may use (the path, its basename)
     chat_template: str | None = None
     request_timeout: float | None = None
+    model_root: str | None = None  # the model argument as given, shown as /v1/models' root
+    max_sequences_per_request: int | None = None  # prompts x n; None: no limit
+    warned_fields: set[str] = field(default_factory=set)  # ignored request fields already logged
 
 
 def engine_dead(error: EngineDeadError) -> APIError:
-    return APIError(503, f"the engine is not available: {error}", type="server_error", code="engine_dead")
+    return APIError("engine_dead", f"the engine is not available: {error}")
+
+
+@dataclass
+class RequestIds:
+    response_id: str  # the response's "id": prefix + the client's id (X-Request-Id or request_id) or a uuid
+    engine_id: str  # unique in the engine even when clients reuse an id
+    header: str  # echoed as X-Request-Id
 
 
 class OpenAIServing:
@@ -43,15 +61,59 @@ class OpenAIServing:
         self.engine = ctx.engine
         self.tokenizer = ctx.engine.tokenizer
         self.max_model_len = ctx.engine.config.model.max_model_len
+        self.vocab_size = ctx.engine.config.model.arch.vocab_size
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.ctx.model_name and name not in self.ctx.model_aliases:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            raise APIError("model_not_found", f"The model `{name}` does not exist.", "model")
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
-                 param: str = "prompt") -> ProcessedPrompt:
+    def check_request(self, req: SamplingRequest, num_prompts: int) -> None:
+        """What every generate request checks first: the model, the fan-out, fields that do not apply."""
+        self.check_model(req.model)
+        for name in ("max_tokens", "max_completion_tokens", "min_tokens"):  # each, even when another overrides it
+            value = getattr(req, name, None)
+            if value is not None and value >= self.max_model_len:
+                raise bad_request(f"{name} is {value}, but this model's maximum context length is "
+                                  f"{self.max_model_len} tokens, prompt included", name, "context_length_exceeded")
+        limit = self.ctx.max_sequences_per_request
+        if limit is not None and num_prompts * req.n > limit:
+            raise bad_request(f"this request asks for {num_prompts * req.n} sequences ({num_prompts} prompt(s) x "
+                              f"n={req.n}); this server allows at most {limit} per request "
+                              "(--max-prompts-per-request)", "prompt" if num_prompts > 1 else "n",
+                              "too_many_sequences")
+        for name in sorted(IGNORED_FIELDS & req.model_fields_set - self.ctx.warned_fields):
+            self.ctx.warned_fields.add(name)
+            logger.warning("request field %r does not apply to tokenmill and is ignored", name)
+
+    def request_ids(self, raw: Request, req: SamplingRequest, prefix: str) -> RequestIds:
+        client_id = raw.headers.get(REQUEST_ID_HEADER)
+        if client_id is not None and not _REQUEST_ID.match(client_id):
+            raise bad_request(f"{REQUEST_ID_HEADER} must be 1 to 128 visible ASCII characters", REQUEST_ID_HEADER)
+        client_id = client_id or req.request_id
+        if client_id is None:
+            own = uuid.uuid4().hex
+            return RequestIds(f"{prefix}-{own}", f"{prefix}-{own}", own)
+        return RequestIds(f"{prefix}-{client_id}", f"{prefix}-{client_id}-{uuid.uuid4().hex[:8]}", client_id)
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         try:
-            return self.engine.input_processor.tokenize(prompt, add_special_tokens)
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
+        except Exception as e:  # the tokenizer's own errors (its types vary by tokenizer)
+            raise bad_request(f"cannot tokenize {param}: {e}", param) from None
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
+                 truncate: int | None = None) -> ProcessedPrompt:
+        """Token ids checked against the vocabulary and max_model_len; `truncate` keeps the last k."""
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize_text(prompt, add_special_tokens, param) if isinstance(prompt, str) else list(prompt)
+        if truncate is not None and len(ids) > truncate:
+            ids, text = ids[-truncate:], None
+        if len(ids) >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"{param} has {len(ids)} tokens (and at least one must be generated). Please "
+                              "reduce its length (or set truncate_prompt_tokens).", param, "context_length_exceeded")
+        try:
+            return self.engine.input_processor.tokenize({"prompt": text, "prompt_token_ids": ids})
         except ValueError as e:
             raise bad_request(str(e), param) from None
 
@@ -59,17 +121,11 @@ class OpenAIServing:
         try:
             return resolve_max_tokens(prompt_len, requested, self.max_model_len, must_fit=True, name=param)
         except ValueError as e:
-            raise bad_request(str(e), param) from None
+            code = "invalid_value" if requested is not None and requested < 1 else "context_length_exceeded"
+            raise bad_request(str(e), param, code) from None
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None, stream: bool = False) -> SamplingParams:
-        bias: dict[int, float] = {}
-        for key, value in (req.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise bad_request(f"logit_bias keys must be integer token ids, got {key!r}", "logit_bias")
-            bias[int(key)] = value  # in the vocabulary: checked by the engine's InputProcessor on submit
-        if req.seed is not None and not -_INT64 <= req.seed < _INT64 - req.n:
-            raise bad_request("seed must fit in a signed 64-bit integer", "seed")
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -80,12 +136,39 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias, skip_special_tokens=req.skip_special_tokens,
+                logit_bias=self._logit_bias(req), skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:
             word = str(e).split(" ", 1)[0]
             raise bad_request(str(e), word if word in type(req).model_fields else None) from None
+
+    def _logit_bias(self, req: SamplingRequest) -> dict[int, float]:
+        """logit_bias, with allowed_token_ids and bad_words as bans (-inf) on the other tokens."""
+        bias: dict[int, float] = {}
+        for key, value in (req.logit_bias or {}).items():
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise bad_request(f"logit_bias keys must be integer token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value  # in the vocabulary: checked by the engine's InputProcessor on submit
+        if req.allowed_token_ids is not None:
+            allowed = set(req.allowed_token_ids)
+            if max(allowed) >= self.vocab_size:
+                raise bad_request(f"allowed_token_ids has token id {max(allowed)}, out of vocabulary (valid ids "
+                                  f"are 0..{self.vocab_size - 1})", "allowed_token_ids")
+            bias.update((t, -math.inf) for t in range(self.vocab_size) if t not in allowed)
+        for word in req.bad_words or []:
+            bias.update((t, -math.inf) for t in self._bad_word_tokens(word))
+        return bias
+
+    def _bad_word_tokens(self, word: str) -> list[int]:
+        """The token a bad word is, at the start of a text and after a space (vLLM's two spellings);
+        a word of more than one token would need a ban that depends on the tokens before it."""
+        spellings = {word.lstrip(), " " + word.lstrip()}
+        tokens = [self.tokenize_text(s, add_special_tokens=False, param="bad_words") for s in spellings]
+        if any(len(t) != 1 for t in tokens):
+            raise bad_request(f"bad_words entry {word!r} is more than one token: bad words of several tokens are "
+                              "not supported yet (those of one token are)", "bad_words", "unsupported_parameter")
+        return [t[0] for t in tokens]
 
     def submit(self, prompts: list[ProcessedPrompt], params: list[SamplingParams], request_id: str,
                priority: int = 0) -> list[RequestStream]:
@@ -100,7 +183,7 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
             if isinstance(e, QueueFullError):
-                raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+                raise APIError("rate_limit_exceeded", str(e)) from None
             if isinstance(e, EngineDeadError):
                 raise engine_dead(e) from None
             if isinstance(e, ValueError):
@@ -128,7 +211,7 @@ class OpenAIServing:
             except EngineDeadError as e:
                 raise engine_dead(e) from None
         if watcher in done:
-            raise APIError(499, "the client closed the connection", code="client_closed")
+            raise APIError("client_closed", "the client closed the connection")
         raise timed_out(self.ctx.request_timeout)
 
 
@@ -140,8 +223,7 @@ def _param_of(error: ValueError) -> str:
 
 
 def timed_out(timeout: float | None) -> APIError:
-    return APIError(408, f"the request took longer than the server's timeout ({timeout}s) and was aborted",
-                    type="timeout_error", code="timeout")
+    return APIError("timeout", f"the request took longer than the server's timeout ({timeout}s) and was aborted")
 
 
 async def _wait_disconnect(raw: Request) -> None:
@@ -209,6 +291,9 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
         error = e
     except EngineDeadError as e:
         error = engine_dead(e)
+    except Exception as e:  # a bug: the stream still ends as the client expects
+        logger.exception("unhandled error in a stream")
+        error = APIError("internal_error", f"internal server error: {type(e).__name__}")
     if error is not None:
         yield sse(error.body().model_dump_json())
     yield sse("[DONE]")

@@ -1,0 +1,118 @@
+"""The server's outermost ASGI layer: the API key (401), the body-size limit (413, also for a
+chunked body), X-Request-Id echoed on every response, and a bug in a handler turned into an
+OpenAI-shaped 500 that closes the connection (never a reset connection a client cannot tell
+from a network failure)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill.entrypoints.openai.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+# what needs no API key: probes and monitoring (everything else, /docs and /openapi.json too, does)
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+def bearer_token(value: bytes) -> bytes | None:
+    """The token of an `Authorization: Bearer TOKEN` header; the scheme is case-insensitive (RFC 9110)."""
+    scheme, _, token = value.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        request_id = headers.get(REQUEST_ID_HEADER)
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if request_id is not None and not any(k.lower() == REQUEST_ID_HEADER for k, _ in message["headers"]):
+                    message = {**message, "headers": [*message["headers"], (REQUEST_ID_HEADER, request_id)]}
+            await send(message)
+
+        error = self._check_key(scope["path"], headers)
+        if error is None:
+            error, receive = await self._check_size(headers, receive)
+        if error is not None:
+            await send_error(send_with_id, error)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as e:
+            if started:
+                raise  # mid-response: the server can only drop the connection
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            await send_error(send_with_id, APIError("internal_error", f"internal server error: {type(e).__name__}"),
+                             close=True)
+
+    def _check_key(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if self.api_key is None or path in OPEN_PATHS:
+            return None
+        value = headers.get(b"authorization")
+        token = bearer_token(value) if value is not None else None
+        if token is not None and secrets.compare_digest(token, self.api_key):
+            return None
+        if value is None:
+            return APIError("invalid_api_key", "You didn't provide an API key (Authorization: Bearer KEY).")
+        return APIError("invalid_api_key", "Incorrect API key provided.")
+
+    async def _check_size(self, headers: dict[bytes, bytes], receive: Receive) -> tuple[APIError | None, Receive]:
+        """A declared length over the limit is refused at once; a chunked body is read up to the
+        limit first (the app reads all of it anyway) and then replayed to the app."""
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                return self._too_large(f"the request body is {int(length)} bytes"), receive
+            return None, receive
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return None, receive
+        body: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None, _replay([message], receive)  # a disconnect: the app sees it
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:
+                return self._too_large(f"the request body is over {self.max_body_bytes} bytes"), receive
+            body.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        return None, _replay([{"type": "http.request", "body": b"".join(body), "more_body": False}], receive)
+
+    def _too_large(self, what: str) -> APIError:
+        return APIError("payload_too_large", f"{what}; the limit is {self.max_body_bytes} (--max-request-bytes)")
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    async def replayed() -> Message:
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
+
+
+async def send_error(send: Send, error: APIError, close: bool = False) -> None:
+    body = error.body().model_dump_json().encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    if close or error.status == 413:  # 413: the rest of the body is unread, so the connection cannot be reused
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
