@@ -60,6 +60,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
+        self.spec_token_ids: list[int] = []  # draft tokens proposed to follow, for the next step to verify
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -35,6 +39,12 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
+    # draft tokens scheduled as extra inputs after a request's last token (counted in
+    # num_scheduled_tokens): the step verifies them and samples one more
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # the constrained requests that sample this step: int32 [1 + drafts, words] token bitmasks
+    # (core/structured_output.py has the layout)
+    grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -43,8 +53,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request (in `req_ids` order): the tokens sampled this step (empty for a
-    prefill chunk that does not reach the end of the known tokens)."""
+    """Per scheduled request (in `req_ids` order): the tokens it took this step, empty for a prefill
+    chunk that does not reach the end of the known tokens, else its accepted drafts and one more."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -54,3 +64,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], list[int]]]]] = field(
         default_factory=dict
     )
+    # per request: draft tokens proposed to follow the ones it took, for the next step to verify
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
