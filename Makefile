@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else 'unexpected torch ' + v)"
 	# build the C++ CPU kernels now (cached by torch), not in the first `tokenmill serve` (a warning if no compiler)
-	$(BIN)/python -c "from tokenmill.attention.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
+	$(BIN)/python -c "from tokenmill.kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)
 
 test: bootstrap

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 from tokenmill.worker.memory import zeros_lazily
 
 # name: (sequences, longest context, layers, contiguous blocks, passes per timing)

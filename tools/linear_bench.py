@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ faults the KV pool in and warms everything up; the prefix cache is emptied, and 
 is measured as `tokenmill bench throughput` measures its later runs (greedy, EOS ignored). Prints
 the top kernels by self time under the torch profiler, then, from a third run without the
 profiler, the wall time of each engine stage (stages nest: prepare + execute hold model.forward,
-decode_greedy and the sampling; core.step holds schedule and update_from_output).
+the fused decode calls and the sampling; core.step holds schedule and update_from_output).
 
 The engine runs synchronously here unless --async-scheduling is given: the profiler records the ops
 of the thread that started it, and with async scheduling the steps run on the worker thread, so
@@ -80,8 +80,11 @@ def main() -> None:
               (core, "step", "core.step"), (core.scheduler, "schedule", "schedule"),
               (core.scheduler, "update_from_output", "update_from_output"),
               (runner, "prepare", "prepare (inputs)"), (runner, "execute", "execute"),
-              (runner.model, "forward", "model.forward"), (runner.model, "decode_greedy", "decode_greedy"),
-              (runner, "_sample", "sampling (lm_head included)"), (runner.model, "compute_logits", "lm_head"))
+              (runner.model, "forward", "model.forward"), (runner, "_sample", "sampling (lm_head included)"),
+              (runner.model, "compute_logits", "lm_head"))
+    if runner.fused_decode is not None:
+        stages += ((runner.fused_decode, "greedy", "fused decode_greedy"),
+                   (runner.fused_decode, "forward", "fused decode_layers"))
     for obj, name, label in stages:
         timed(totals, obj, name, label)
     wall, tokens = run()

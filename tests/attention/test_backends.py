@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata, output_rows
 from tokenmill.attention.cpu import CUDA_SDPA_BACKENDS
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels import load_cpu_kernels
 
 
 def make_batch(seed: int, query_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: int,

@@ -20,6 +20,7 @@ from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.core import EngineCore
+from tokenmill.kv_cache_spec import KVCacheConfig
 from tokenmill.sampling_params import SamplingParams
 
 from .test_scheduler import EOS, VOCAB, FakeRunner, PreparedStep, Result, workloads
@@ -41,6 +42,9 @@ class FakeExecutor:
         self.num_blocks = num_blocks
         self.queue: deque[tuple[PreparedStep, RunWhenAwaited]] = deque()
         self.max_queued = 0
+
+    def initialize_kv_cache(self) -> KVCacheConfig:
+        return KVCacheConfig(self.num_blocks, self.runner.block_size, ())
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert not self.queue

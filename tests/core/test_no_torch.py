@@ -9,7 +9,8 @@ import pytest
 
 
 def test_core_imports_no_torch() -> None:
-    code = ("import sys, tokenmill.core.scheduler, tokenmill.core.kv_cache_manager, tokenmill.core.messages; "
+    code = ("import sys, tokenmill.core.scheduler, tokenmill.core.kv_cache_manager, tokenmill.core.messages, "
+            "tokenmill.arch, tokenmill.kv_cache_spec; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 

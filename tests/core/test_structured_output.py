@@ -12,7 +12,8 @@ import pytest
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.structured_output import allowed_ids, bitmask_words, pack_allowed
+from tokenmill.core.structured_output import bitmask_words
+from tokenmill.structured.bitmask import allowed_ids, pack_allowed
 
 from .test_scheduler import VOCAB, FakeRunner, Result, check_step, make_request, make_scheduler
 from .test_spec_scheduling import partly_right

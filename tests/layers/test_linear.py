@@ -1,5 +1,6 @@
-"""The packed oneDNN linear (CPU bf16 fast path) and the C++ GEMV it uses where that is faster (1-4
-rows; any number of rows for K up to 2048, in tiles), against plain nn.Linear, their reference."""
+"""The unquantized linear method's packed oneDNN path (CPU bf16) and the C++ GEMV it uses where that is
+faster (1-4 rows; any number of rows for K up to 2048, in tiles), against plain nn.Linear, their
+reference; and the layers' shard loading."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
-from tokenmill.layers.linear import PackedLinear, gemv_layout_ok, pack_linears, packing_available
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers.linear import (
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    UnquantizedLinearMethod,
+    gemv_layout_ok,
+    packed_linear,
+    packing_available,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
 
@@ -23,14 +32,41 @@ def test_packed_equals_plain(batch: int, bias: bool) -> None:
     lin = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
     x = torch.randn(batch, 96, dtype=torch.bfloat16)
     expected = lin(x)
-    got = PackedLinear(lin)(x)
+    got = packed_linear(lin.weight, lin.bias)(x)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_pack_linears_swaps_only_bf16_cpu() -> None:
-    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8))
-    assert pack_linears(model) == 1
-    assert isinstance(model[0], PackedLinear) and isinstance(model[1], nn.Linear)
+def _loaded(layer: Linear, method: UnquantizedLinearMethod, lin: nn.Linear) -> Linear:
+    layer.weight_loader(layer.weight, lin.weight.detach())
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+def test_method_packs_only_bf16_cpu() -> None:
+    method = UnquantizedLinearMethod()
+    bf16, fp32 = nn.Linear(8, 8, bias=False).to(torch.bfloat16), nn.Linear(8, 8, bias=False)
+    packed = _loaded(Linear(8, 8, False, torch.bfloat16, method), method, bf16)
+    plain = _loaded(Linear(8, 8, False, torch.float32, method), method, fp32)
+    assert packed.packed and packed.weight.is_mkldnn and not plain.packed
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(plain(x), fp32(x), rtol=0, atol=0)
+    torch.testing.assert_close(packed(x.to(torch.bfloat16)), bf16(x.to(torch.bfloat16)), rtol=0, atol=0)
+
+
+def test_fused_layers_load_their_shards_and_report_the_missing() -> None:
+    method = UnquantizedLinearMethod(pack=False)
+    qkv = QKVLinear(16, 4, 2, 1, True, torch.float32, method)
+    parts = {s: torch.randn(n, 16) for s, n in (("q", 8), ("k", 4), ("v", 4))}
+    for s in ("q", "v"):
+        qkv.weight_loader(qkv.weight, parts[s], s)
+    assert qkv.missing_weights() == ["weight[k]", "bias[q]", "bias[k]", "bias[v]"]
+    qkv.weight_loader(qkv.weight, parts["k"], "k")
+    torch.testing.assert_close(qkv.weight.data, torch.cat([parts["q"], parts["k"], parts["v"]]))
+    with pytest.raises(ValueError, match="does not match"):
+        qkv.weight_loader(qkv.weight, torch.randn(5, 16), "q")
+    gate_up = MergedLinear(16, [6, 6], False, torch.float32, method)
+    gate_up.weight_loader(gate_up.weight, torch.ones(6, 16), 1)
+    assert gate_up.missing_weights() == ["weight[0]"] and bool((gate_up.weight.data[6:] == 1).all())
 
 
 OPS = load_cpu_kernels()
@@ -58,14 +94,13 @@ class CountingOps:
 
 
 def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ...], bias: bool) -> int:
-    """Runs a GEMV-enabled PackedLinear against nn.Linear in float; returns how often it took the GEMV."""
+    """Runs a GEMV-enabled packed layer against nn.Linear in float; returns how often it took the GEMV."""
     torch.manual_seed(out_features + in_features)
     lin = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     x = torch.randn(*shape, in_features, dtype=torch.bfloat16)
     expected = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
-    packed = PackedLinear(lin)
     ops = CountingOps(OPS)
-    packed.enable_gemv(ops)
+    packed = packed_linear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), ops)
     got = packed(x)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     # fp32 accumulation, one bf16 rounding: within a bf16 ulp of the exact product
@@ -108,8 +143,7 @@ def test_gemv_threads_split_the_blocks(threads: int, rows: int) -> None:
     torch.manual_seed(rows)
     lin = nn.Linear(160, 330).to(torch.bfloat16)
     x = torch.randn(rows, 160, dtype=torch.bfloat16)
-    packed = PackedLinear(lin)
-    packed.enable_gemv(OPS)
+    packed = packed_linear(lin.weight.detach(), lin.bias.detach(), OPS)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -125,8 +159,8 @@ def test_gemv_threads_split_the_blocks(threads: int, rows: int) -> None:
 
 @needs_gemv
 def test_gemv_takes_no_rows() -> None:
-    packed = PackedLinear(nn.Linear(96, 200).to(torch.bfloat16))
-    packed.enable_gemv(OPS)
+    lin = nn.Linear(96, 200).to(torch.bfloat16)
+    packed = packed_linear(lin.weight.detach(), lin.bias.detach(), OPS)
     assert packed(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 200)
 
 
@@ -141,21 +175,19 @@ def test_gemv_layout_probe_follows_the_packed_layout() -> None:
     """On: where oneDNN packs AB16b64a2b (this project's CI machine, Zen 5); off, without ever
     calling the GEMV on a buffer of another size, where it packs otherwise."""
     lin = nn.Linear(33, 70).to(torch.bfloat16)
-    packed = PackedLinear(lin)
+    packed = packed_linear(lin.weight.detach(), lin.bias.detach())
     ab16b64a2b = int(torch.ops.mkldnn._nbytes(packed.weight)) == 128 * 64 * 2
     assert gemv_layout_ok(OPS) == ab16b64a2b
 
 
 @needs_gemv
-def test_pack_linears_enables_gemv_only_with_ops() -> None:
-    def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(96, 200).to(torch.bfloat16), nn.Linear(200, 96).to(torch.bfloat16))
-
-    plain, fast = model(), model()
-    pack_linears(plain)
-    pack_linears(fast, OPS)
-    assert all(isinstance(m, PackedLinear) and m.gemv_ops is None for m in plain)
-    assert all(isinstance(m, PackedLinear) and m.gemv_ops is OPS for m in fast)
+def test_method_enables_gemv_only_with_ops() -> None:
+    lin = nn.Linear(96, 200, bias=False).to(torch.bfloat16)
+    plain_method, fast_method = UnquantizedLinearMethod(), UnquantizedLinearMethod(OPS)
+    plain = _loaded(Linear(96, 200, False, torch.bfloat16, plain_method), plain_method, lin)
+    fast = _loaded(Linear(96, 200, False, torch.bfloat16, fast_method), fast_method, lin)
+    assert plain.packed and plain.gemv_ops is None
+    assert fast.packed and fast.gemv_ops is OPS and fast.gemv_max_rows > 0
 
 
 class WrongLayoutOps:
@@ -168,8 +200,9 @@ class WrongLayoutOps:
         return torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype)
 
 
-def test_pack_linears_keeps_onednn_when_the_probe_fails() -> None:
-    model = nn.Sequential(nn.Linear(96, 200).to(torch.bfloat16))
+def test_method_keeps_onednn_when_the_probe_fails() -> None:
     assert not gemv_layout_ok(WrongLayoutOps())
-    pack_linears(model, WrongLayoutOps())
-    assert isinstance(model[0], PackedLinear) and model[0].gemv_ops is None
+    method = UnquantizedLinearMethod(WrongLayoutOps())
+    layer = _loaded(Linear(96, 200, False, torch.bfloat16, method), method,
+                    nn.Linear(96, 200, bias=False).to(torch.bfloat16))
+    assert layer.packed and layer.gemv_ops is None

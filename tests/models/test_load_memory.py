@@ -14,14 +14,12 @@ PROBE = """
 import json, sys, psutil, torch
 from tokenmill.arch import load_arch_config
 from tokenmill.models.loader import load_model
-from tokenmill.layers.linear import pack_linears
+from tokenmill.layers.linear import packed_linear
 cfg = load_arch_config(sys.argv[1])
-warm = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16))  # one-time oneDNN set-up
-pack_linears(warm)
+warm = packed_linear(torch.ones(64, 64, dtype=torch.bfloat16), None)  # one-time oneDNN set-up
 warm(torch.ones(1, 64, dtype=torch.bfloat16))
 before = psutil.Process().memory_info().rss
-model = load_model(sys.argv[1], cfg, torch.bfloat16, torch.device("cpu"))
-pack_linears(model)
+model = load_model(sys.argv[1], cfg, torch.bfloat16, torch.device("cpu"))  # packs the linear layers too
 # VmHWM, not ru_maxrss: the latter keeps the forking parent's size across exec
 with open("/proc/self/status") as f:
     peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

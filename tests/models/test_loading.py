@@ -11,8 +11,8 @@ import pytest
 from tests.conftest import random_prompts
 from tests.fixtures import build_model, hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineArgs, _resolve_dtype, default_block_size
 from tokenmill.arch import load_arch_config, parse_arch_config
+from tokenmill.config import EngineArgs, _resolve_dtype, default_block_size
 from tokenmill.models.loader import checkpoint_files
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -92,18 +92,16 @@ def _raw(model_dir: str) -> dict:
 
 
 def test_rotary_tables_follow_the_model_device(llama_dir: str) -> None:
-    """The rope tables are computed on the CPU for start-up speed; they must still end on the
-    model's device (a CUDA model once kept them on the CPU). The meta device stands in for CUDA."""
+    """The rope tables are computed on the CPU for start-up speed, once, as the model is built; they must
+    still end on the model's device (a CUDA model once kept them on the CPU). The meta device stands in
+    for CUDA."""
     import torch
 
-    from tokenmill.models.loader import _init_buffers
-    from tokenmill.models.llama import LlamaForCausalLM
+    from tokenmill.models.loader import build_model
 
-    cfg = load_arch_config(llama_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, torch.float32)
-    _init_buffers(model, cfg, torch.float32, torch.device("meta"))
+    model = build_model(load_arch_config(llama_dir), torch.float32, torch.device("meta"))
     assert model.rotary.cos_cache.device.type == "meta" and model.rotary.sin_cache.device.type == "meta"
+    assert next(model.parameters()).device.type == "meta"
 
 
 def test_block_size_defaults_by_device(model_dirs: dict[str, str]) -> None:

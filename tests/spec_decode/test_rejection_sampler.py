@@ -32,7 +32,7 @@ def test_accepted_run() -> None:
 
 
 def test_greedy_takes_drafts_while_they_are_the_argmax() -> None:
-    from tokenmill.attention.cpu_kernels import load_cpu_kernels
+    from tokenmill.kernels import load_cpu_kernels
 
     logits = torch.full((4, 10), -5.0)
     for r, best in enumerate([3, 1, 4, 1]):

@@ -21,7 +21,7 @@ class CountingModel:
         self.model, self.kept = model, []
 
     def __call__(self, *args: Any) -> Any:
-        rows = args[5] if len(args) > 5 else None
+        rows = args[3] if len(args) > 3 else None
         if rows is not None:
             self.kept.append(rows.index.numel())
         return self.model(*args)

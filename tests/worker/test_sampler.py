@@ -350,7 +350,7 @@ def test_logprobs_are_raw_not_penalised(llm: LLM, llama_dir: str) -> None:
 
 
 def test_bf16_argmax_fast_path_matches_torch() -> None:
-    from tokenmill.attention.cpu_kernels import load_cpu_kernels
+    from tokenmill.kernels import load_cpu_kernels
 
     ops = load_cpu_kernels()
     assert ops is not None

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.core.structured_output import pack_allowed
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.bitmask import pack_allowed
 from tokenmill.worker.sampler import Sampler, apply_token_bitmask
 from tokenmill.worker.sampling_metadata import SamplingRow, metadata_for
 
@@ -75,7 +75,7 @@ def test_rows_without_a_bitmask_sample_as_without_any() -> None:
 
 
 def test_the_cpp_argmax_is_skipped_where_a_bitmask_is_set() -> None:
-    from tokenmill.attention.cpu_kernels import load_cpu_kernels
+    from tokenmill.kernels import load_cpu_kernels
 
     ops = load_cpu_kernels()
     assert ops is not None

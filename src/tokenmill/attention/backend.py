@@ -61,6 +61,10 @@ class AttentionBackend(Protocol):
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         """Build the backend's per-step tensors into meta.extra (once per step, not per layer)."""
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store this step's keys and values at their slots (before any attention reads them)."""
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]

@@ -6,8 +6,8 @@ query length); prefill chunks with no earlier context attend to their own fresh 
 cache read at all.
 
 `CpuBackend`: decodes and (bf16, on CPUs with AVX512-BF16) all prefill chunks of a step read
-K/V in place from the paged cache in C++ kernels (csrc/paged_decode.cpp,
-csrc/prefill_attention.cpp), with no gather copy. Falls back to SDPA where a kernel cannot be
+K/V in place from the paged cache in C++ kernels (kernels/cpu/attention/paged_decode.cpp,
+kernels/cpu/attention/prefill_attention.cpp), with no gather copy. Falls back to SDPA where a kernel cannot be
 built or does not apply."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, write_kv
+from tokenmill.kernels import load_cpu_kernels
 
 # SDPA kernels for CUDA: not cuDNN's, which builds a plan for each new shape (45-72 ms apiece on an
 # H100) and so spent ~35 s of a 256-request run's first pass on prompts of new lengths
@@ -44,6 +44,10 @@ class SdpaBackend:
             mask &= pos[None, :] >= (lens - meta.sliding_window)[:, None]
         meta.extra["decode_index"] = idx.reshape(-1)
         meta.extra["decode_mask"] = mask[:, None, None, :]
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -113,6 +117,19 @@ class CpuBackend(SdpaBackend):
             meta.extra["prefill_starts"] = torch.tensor(meta.query_start_loc[d:], dtype=torch.int32)
             meta.extra["prefill_lens"] = torch.tensor(meta.seq_lens[d:], dtype=torch.int32)
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if self.ops is not None and k.device.type == "cpu":
+            self.ops.write_kv_(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The padded block tables and context lengths of the step's decodes, as the C++ decode
+        kernels read them; None where this step has no decode or they are not built."""
+        tables = meta.extra.get("decode_tables")
+        return None if tables is None else (tables, meta.extra["decode_lens"])
+
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
@@ -121,7 +138,7 @@ class CpuBackend(SdpaBackend):
         d = meta.num_decodes
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
-        # all prefill chunks in one call, K/V read in place from the cache (csrc/prefill_attention.cpp)
+        # all prefill chunks in one call, K/V read in place from the cache (kernels/cpu/attention/prefill_attention.cpp)
         self.ops.prefill_attention(q, k_cache, v_cache, meta.extra["prefill_tables"], meta.extra["prefill_starts"],
                                    meta.extra["prefill_lens"], scale, meta.sliding_window or 0, out)
         return out

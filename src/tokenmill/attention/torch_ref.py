@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context
+from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, write_kv
 
 
 class TorchRefBackend:
@@ -13,6 +13,10 @@ class TorchRefBackend:
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         return None
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor,

@@ -1,9 +1,15 @@
-"""`tokenmill bench <kind>`: benchmark subcommands, each a module with add_args/run."""
+"""`tokenmill bench <kind>`: benchmark subcommands, each a module with add_args/run. Every kind takes
+the same output options (results.add_output_args), checked before its run starts."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
+from collections.abc import Callable
 from typing import Any
+
+from tokenmill.bench.results import ResultSink, add_output_args
 
 KINDS = {
     "throughput": ("tokenmill.bench.throughput", "offline throughput over a workload"),
@@ -25,4 +31,10 @@ def register(subparsers: Any) -> None:
             raise
         p = kinds.add_parser(name, help=help_text)
         module.add_args(p)
-        p.set_defaults(func=module.run)
+        add_output_args(p)
+        p.set_defaults(func=functools.partial(_checked_run, module.run))
+
+
+def _checked_run(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    ResultSink.from_args(args).check()  # an unwritable output file fails now, not after the run
+    return run(args)

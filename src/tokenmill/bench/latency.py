@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost, decode_floor
-from tokenmill.bench.results import emit, peak_rss_mb, require_positive, sig
+from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
@@ -39,7 +39,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-low", type=int, default=10)
     p.add_argument("--workload-seed", type=int, default=0)
     add_ceiling_args(p)
-    p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
 
 
@@ -160,5 +159,5 @@ def run(args: argparse.Namespace) -> int:
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),
         "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-    }, args.output_json)
+    }, ResultSink.from_args(args))
     return 0

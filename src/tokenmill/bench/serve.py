@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from tokenmill.bench.results import emit
+from tokenmill.bench.results import ResultSink, emit
 from tokenmill.bench.serve_client import RequestOptions, RequestResult, send
 from tokenmill.bench.serve_data import (
     Chain,
@@ -67,7 +67,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--save-detailed", action="store_true", help="add per-request figures to the JSON")
     p.add_argument("--label", default=None, help="what the server is (tokenmill, vllm, ...), saved as 'engine'")
-    p.add_argument("--output-json", default=None)
 
 
 def build_chains(args: argparse.Namespace) -> list[Chain]:
@@ -188,5 +187,5 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.save_detailed:
         result["detailed"] = _detailed(results)
-    emit(result, args.output_json)
+    emit(result, ResultSink.from_args(args))
     return 0

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost
-from tokenmill.bench.results import emit, peak_rss_mb, require_positive, sig
+from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
@@ -37,7 +37,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false")
     add_ceiling_args(p)
-    p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
 
 
@@ -123,5 +122,5 @@ def run(args: argparse.Namespace) -> int:
         "prefix_caching": config.cache.enable_prefix_caching,
         "async_scheduling": config.scheduler.async_scheduling, "detokenize": args.detokenize,
         "ignore_eos": args.ignore_eos,
-    }, args.output_json)
+    }, ResultSink.from_args(args))
     return 0

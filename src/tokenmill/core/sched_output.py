@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.core.messages import LogprobEntry
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,11 +59,9 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    # per request: per sampled token (token ids, logprobs, ranks) or None
-    logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
-    # per request: (first position, per position (ids, logprobs, ranks))
-    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], list[int]]]]] = field(
-        default_factory=dict
-    )
+    # per request: one entry per sampled token
+    logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    # per request: (first position, one entry per position from there)
+    prompt_logprobs: dict[str, tuple[int, list[LogprobEntry]]] = field(default_factory=dict)
     # per request: draft tokens proposed to follow the ones it took, for the next step to verify
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

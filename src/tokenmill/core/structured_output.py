@@ -2,37 +2,26 @@
 in a step, a token bitmask per sampled position, and afterwards the tokens the request took.
 
 The bitmask layout is xgrammar's: int32 words, ceil(vocab / 32) per position, token t allowed where bit
-t % 32 of word t // 32 is set. A grammar backend (xgrammar, llguidance) implements StructuredOutput;
-the scheduler asks it while building each step and passes the masks to the workers in the
-SchedulerOutput. Pure Python and numpy: core/ imports no torch.
+t % 32 of word t // 32 is set (structured/bitmask.py packs and unpacks them). A grammar backend
+(xgrammar, llguidance) implements StructuredOutput; the scheduler asks it while building each step
+and passes the masks to the workers in the SchedulerOutput as numpy arrays, which core/ only hands on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
-
-import numpy as np
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.core.request import Request
+
+if TYPE_CHECKING:
+    import numpy as np
 
 BITS_PER_WORD = 32
 
 
 def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // BITS_PER_WORD)
-
-
-def pack_allowed(allowed: Iterable[int], vocab_size: int) -> np.ndarray:
-    """One position's bitmask ([words] int32) allowing exactly the given token ids."""
-    bits = np.zeros(bitmask_words(vocab_size) * BITS_PER_WORD, dtype=np.uint8)
-    bits[np.fromiter(allowed, dtype=np.int64)] = 1
-    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
-
-
-def allowed_ids(bitmask: np.ndarray) -> np.ndarray:
-    """The token ids one position's bitmask ([words] int32) allows."""
-    return np.flatnonzero(np.unpackbits(bitmask.astype("<i4").view(np.uint8), bitorder="little"))
 
 
 class StructuredOutput(Protocol):

@@ -4,47 +4,39 @@ from __future__ import annotations
 
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-
-
-class Executor(Protocol):
-    """What the engine core needs of the workers."""
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]: ...
-
-    def shutdown(self) -> None: ...
-
+from tokenmill.executor.abstract import Executor
 
 # While a step runs on the worker thread, the engine core's thread runs Python beside it, and the
-# step's thread needs the GIL back between its kernels. CPython hands the GIL over only every
-# "switch interval" (5 ms by default), so a kernel's return could wait that long for the other
-# thread's Python; 50 us keeps the wait short. Measured on the demo model, 256 requests: async
-# scheduling +4-7% with 10-100 us, -4% with the default 5 ms.
+# step's thread needs the GIL back between its kernels. CPython hands the GIL over only every "switch
+# interval" (5 ms by default), so a kernel's return could wait that long for the other thread's
+# Python; 50 us keeps the wait short (bench/README.md has the measurements).
 _SWITCH_INTERVAL_S = 5e-5
 
 
-class UniProcExecutor:
+class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        from tokenmill.worker.model_runner import ModelRunner
+        from tokenmill.worker.worker import Worker
 
-        self.runner = ModelRunner(config)
+        super().__init__(config)
+        self.worker = Worker(config)
         self._thread: ThreadPoolExecutor | None = None
         self._switch_interval = 0.0
 
     @property
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
+    def runner(self) -> Any:
+        """The worker's model runner (once the KV cache is initialized)."""
+        return self.worker.model_runner
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(so)
+        return self.worker.execute_model(so)
 
     def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Prepare the step's inputs here, then run it on the worker thread after the steps submitted
@@ -54,7 +46,8 @@ class UniProcExecutor:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL_S))
-        return self._thread.submit(self.runner.execute, self.runner.prepare(so))
+        runner = self.worker.runner()
+        return self._thread.submit(runner.execute, runner.prepare(so))
 
     def shutdown(self) -> None:
         if self._thread is not None:

@@ -1,0 +1,21 @@
+"""The building blocks models are made of: linear layers with their LinearMethod, the paged attention
+layer, norms, rotary embeddings and activations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def use_cpu_kernels(model: nn.Module, ops: Any) -> int:
+    """Route the elementwise layers that have a fused C++ path (norms, rotary, SiLU-and-mul) through
+    `ops`, tokenmill's C++ CPU kernels (None: the torch path). Returns how many layers take them."""
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.rotary import RotaryEmbedding
+
+    layers = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul))]
+    for m in layers:
+        m.ops = ops
+    return len(layers)

@@ -1,21 +1,19 @@
-"""CPU bf16 linear layers with weights pre-packed once for oneDNN.
+"""Linear layers whose weights are created, loaded, post-processed and applied by a `LinearMethod`.
 
-Plain `F.linear` on bf16 CPU tensors re-lays-out the weight on every call; for the small batches
-of decode that costs more than the multiply itself (6-8x slower at batch 1 here). Packing at
-load time gives the same numbers (bitwise, in bf16) at close to memory bandwidth. The plain
-`nn.Linear` stays the reference path, and the one used for float32 and on CUDA.
-
-tokenmill's own kernel (csrc/gemv.cpp, "the GEMV") multiplies by the same packed weight: for decode's
-1-4 rows it reads the weight 1.05-1.4x faster than oneDNN, and for more rows it prefetches the next
-block of the weight while it works on one: 1.0-1.3x oneDNN's speed on the 100M model's shapes, one
-thread, the most at 16-64 rows (tools/linear_bench.py). It relies on oneDNN's packed layout, so
-`pack_linears` checks that layout once before turning it on.
+A layer knows its shape and how checkpoint tensors map onto its parameters (`weight_loader`, with a
+shard id for the fused qkv and gate/up projections); the method decides what the parameters are and
+how they multiply. `UnquantizedLinearMethod` is the plain float path: on a bf16 CPU it packs each
+weight once for oneDNN after loading (plain `F.linear` on bf16 CPU tensors re-lays-out the weight on
+every call), and where tokenmill's C++ kernels are built it multiplies decode-sized batches with their
+GEMV over the same packed weight (kernels/: `packed_gemv`). Quantized methods (int8/int4, GPTQ, AWQ)
+create parameters of other shapes and dtypes (packed ints, scales, zeros) with their own loaders.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,56 +22,211 @@ from torch import nn
 logger = logging.getLogger(__name__)
 GEMV_PROBE_ROWS = (1, 4, 13)  # the GEMV's paths: one row, its most rows without tiles, tiles of 6 and a tail
 
+ShardId = str | int | None
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
-class Linear(nn.Linear):
-    """nn.Linear without random initialisation: every weight comes from the checkpoint, and init
-    on the meta device pulls in ~1.5 s of torch._dynamo imports at start-up."""
 
-    def reset_parameters(self) -> None:
-        return None
+class LinearMethod(Protocol):
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        """Register the layer's parameters (with their weight loaders) for its shape."""
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Turn the loaded parameters into the form `apply` reads (packing, repacking)."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size]."""
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    """Copy a checkpoint tensor of exactly the parameter's shape into it (casting its dtype)."""
+    if shard_id is not None:
+        raise ValueError(f"a parameter of shape {list(param.shape)} has no shard {shard_id!r}")
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"tensor shape {list(loaded.shape)} does not match the model's {list(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+    return loader
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W of [sum(output_sizes), input_size]. `output_sizes` lists the shards of a
+    fused projection (q/k/v, or gate/up) in order; `shard_ids` names them for the loader."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
+                 method: LinearMethod, shard_ids: Sequence[ShardId] = (None,)) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.output_size = sum(output_sizes)
+        self.has_bias = bias
+        self.shard_ids = list(shard_ids)
+        self._loaded: set[tuple[str, ShardId]] = set()  # (parameter name, shard) the checkpoint filled
+        self.method = method
+        self.weight: nn.Parameter
+        self.bias: nn.Parameter | None = None
+        # the unquantized method's packed path: whether `weight` is oneDNN-packed, the GEMV's ops and rows
+        self.packed = False
+        self.gemv_ops: Any = None
+        self.gemv_max_rows = 0
+        method.create_weights(self, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def shard_range(self, shard_id: ShardId, dim_size: int | None = None) -> tuple[int, int]:
+        """Rows [start, end) of shard `shard_id` in a dimension of `output_size` (or `dim_size`, for
+        quantized tensors whose rows are scaled, e.g. packed int4: dim_size = output_size // 8)."""
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"no shard {shard_id!r} (shards: {self.shard_ids})")
+        scale = (dim_size or self.output_size) / self.output_size
+        start = sum(self.output_sizes[:self.shard_ids.index(shard_id)])
+        size = self.output_sizes[self.shard_ids.index(shard_id)]
+        return int(start * scale), int((start + size) * scale)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy a checkpoint tensor into its rows of a parameter whose first dimension is the output
+        dimension (weight, bias, per-channel scales); a one-shard layer takes the whole tensor."""
+        if len(self.shard_ids) == 1 and shard_id is None:
+            default_weight_loader(param, loaded)
+        else:
+            start, end = self.shard_range(shard_id, param.shape[0])
+            dest = param.data[start:end]
+            if tuple(loaded.shape) != tuple(dest.shape):
+                raise ValueError(f"tensor shape {list(loaded.shape)} does not match the model's "
+                                 f"{list(dest.shape)} (shard {shard_id!r})")
+            dest.copy_(loaded)
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+        self.mark_loaded(name, shard_id)
+
+    def mark_loaded(self, param_name: str, shard_id: ShardId = None) -> None:
+        self._loaded.add((param_name, shard_id))
+
+    def missing_weights(self) -> list[str]:
+        """This layer's parameters (and shards of them) that nothing loaded."""
+        return [n if s is None else f"{n}[{s}]" for n, _ in self.named_parameters(recurse=False)
+                for s in self.shard_ids if (n, s) not in self._loaded]
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}, bias={self.has_bias}"
+
+
+class Linear(LinearBase):
+    """One projection, loaded whole."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 method: LinearMethod) -> None:
+        super().__init__(input_size, [output_size], bias, dtype, method)
+
+
+class QKVLinear(LinearBase):
+    """q, k and v projections fused into one matmul; the checkpoint's q_proj/k_proj/v_proj load into
+    shards "q", "k", "v"."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 dtype: torch.dtype, method: LinearMethod) -> None:
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, sizes, bias, dtype, method, shard_ids=("q", "k", "v"))
+
+
+class MergedLinear(LinearBase):
+    """Several projections of one input fused into one matmul (gate and up: shards 0 and 1)."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
+                 method: LinearMethod) -> None:
+        super().__init__(input_size, output_sizes, bias, dtype, method, shard_ids=tuple(range(len(output_sizes))))
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding without random initialisation (see Linear)."""
+    """nn.Embedding without random initialisation: every weight comes from the checkpoint."""
 
     def reset_parameters(self) -> None:
         return None
 
+
+# ---- the unquantized method ----------------------------------------------------------------------
 
 def packing_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        # the layout chosen for batch 1 also runs large batches at full speed (measured)
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.gemv_ops: Any = None  # set by enable_gemv once the packed layout is verified
-        self.gemv_max_rows = 0
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight reordered once into oneDNN's packed layout (the one chosen for batch 1 runs large
+    batches at full speed too)."""
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    return packed
 
-    def enable_gemv(self, ops: Any) -> None:
+
+class UnquantizedLinearMethod:
+    """Float weights. `pack`: reorder bf16 CPU weights for oneDNN after loading. `ops`: tokenmill's C++
+    CPU kernels, whose GEMV then takes as many rows as it is the faster kernel for, once a probe has
+    checked that it reads this oneDNN's packed layout."""
+
+    def __init__(self, ops: Any = None, pack: bool = True) -> None:
+        self.pack = pack and packing_available()
+        self.gemv_ops = ops if ops is not None and self.pack and _gemv_usable(ops) else None
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype),
+                                    requires_grad=False)
+        set_weight_loader(layer.weight, layer.weight_loader)
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.empty(layer.output_size, dtype=dtype), requires_grad=False)
+            set_weight_loader(layer.bias, layer.weight_loader)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        weight = layer.weight
+        if not (self.pack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+            return
+        layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+        layer.packed = True
+        if self.gemv_ops is not None:
+            self.enable_gemv(layer, self.gemv_ops)
+
+    @staticmethod
+    def enable_gemv(layer: LinearBase, ops: Any) -> None:
         """Take ops.packed_gemv for as many rows as it is the faster kernel for (up to
-        ops.packed_gemv_max_rows(in_features)), oneDNN beyond."""
-        self.gemv_ops = ops
-        self.gemv_max_rows = int(ops.packed_gemv_max_rows(self.in_features))
+        ops.packed_gemv_max_rows(input_size)), oneDNN beyond."""
+        layer.gemv_ops = ops
+        layer.gemv_max_rows = int(ops.packed_gemv_max_rows(layer.input_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_ops is not None and x.numel() <= self.gemv_max_rows * self.in_features:
-            rows = x.reshape(-1, self.in_features).contiguous()
-            y = self.gemv_ops.packed_gemv(rows, self.weight, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if not layer.packed:
+            return F.linear(x, layer.weight, layer.bias)
+        if layer.gemv_ops is not None and x.numel() <= layer.gemv_max_rows * layer.input_size:
+            rows = x.reshape(-1, layer.input_size).contiguous()
+            y: torch.Tensor = layer.gemv_ops.packed_gemv(rows, layer.weight, layer.bias)
+            return y.view(*x.shape[:-1], layer.output_size)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        return out
 
-    def gemv_data_ptr(self) -> int:
+    @staticmethod
+    def gemv_data_ptr(layer: LinearBase) -> int:
         """The packed weight's address, for C++ callers of the GEMV that skip the op's per-call lookup
-        (valid while this module lives), or 0 where the GEMV does not take this weight."""
-        if self.gemv_ops is None or not _is_ab16b64a2b(self.weight, self.out_features, self.in_features):
+        (valid while the layer lives), or 0 where the GEMV does not take this weight."""
+        if layer.gemv_ops is None or not _is_ab16b64a2b(layer.weight, layer.output_size, layer.input_size):
             return 0
-        return int(torch.ops.mkldnn.data_ptr(self.weight))
+        return int(torch.ops.mkldnn.data_ptr(layer.weight))
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any = None) -> Linear:
+    """A packed bf16 layer holding a copy of these weights (GEMV from `ops` without the probe): for
+    tests and tools that compare the packed paths with F.linear."""
+    method = UnquantizedLinearMethod()
+    layer = Linear(weight.shape[1], weight.shape[0], bias is not None, weight.dtype, method)
+    layer.weight.data.copy_(weight)
+    if bias is not None and layer.bias is not None:
+        layer.bias.data.copy_(bias)
+    method.process_weights_after_loading(layer)
+    if ops is not None:
+        method.enable_gemv(layer, ops)
+    return layer
 
 
 @torch.no_grad()
@@ -82,16 +235,15 @@ def gemv_layout_ok(ops: Any) -> bool:
     this machine's oneDNN: awkward shapes (padding in N and K) and aligned ones, at GEMV_PROBE_ROWS."""
     gen = torch.Generator().manual_seed(0)
     for out_features, in_features in ((70, 33), (128, 64), (200, 96)):
-        lin = Linear(in_features, out_features, dtype=torch.bfloat16)  # no init: leaves torch's RNG alone
-        lin.weight.copy_(torch.randn(out_features, in_features, generator=gen))
-        lin.bias.copy_(torch.randn(out_features, generator=gen))
-        packed = PackedLinear(lin)
-        if not _is_ab16b64a2b(packed.weight, out_features, in_features):
+        weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+        layer = packed_linear(weight, bias)
+        if not _is_ab16b64a2b(layer.weight, out_features, in_features):
             return False
         for rows in GEMV_PROBE_ROWS:
             x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-            expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
-            got = ops.packed_gemv(x, packed.weight, packed.bias).float()
+            expected = F.linear(x.float(), weight.float(), bias.float())
+            got = ops.packed_gemv(x, layer.weight, layer.bias).float()
             # bf16 output rounding is 2^-8 relative; a layout error is off by the outputs' own size
             if not torch.allclose(got, expected, rtol=2**-7, atol=1e-2 * float(expected.abs().max())):
                 return False
@@ -105,26 +257,6 @@ def _is_ab16b64a2b(weight: torch.Tensor, out_features: int, in_features: int) ->
         return False
     padded = -(-out_features // 64) * 64 * -(-in_features // 32) * 32
     return int(torch.ops.mkldnn._nbytes(weight)) == padded * 2
-
-
-def pack_linears(model: nn.Module, ops: Any = None) -> int:
-    """Swap every bf16 CPU nn.Linear in model for a PackedLinear; returns how many. With ops (the
-    C++ CPU kernels) the layers take their GEMV where it is faster, if it checks out."""
-    if not packing_available():
-        logger.info("oneDNN weight packing unavailable; using plain linear layers")
-        return 0
-    # hold (parent, name) pairs, not the layers: each old weight must be freed as soon as its
-    # packed copy exists, or peak memory doubles
-    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
-               and child.weight.device.type == "cpu"]
-    gemv_ops = ops if ops is not None and _gemv_usable(ops) else None
-    for parent, name in targets:
-        packed = PackedLinear(getattr(parent, name))
-        if gemv_ops is not None:
-            packed.enable_gemv(gemv_ops)
-        setattr(parent, name, packed)
-    return len(targets)
 
 
 def _gemv_usable(ops: Any) -> bool:

@@ -13,8 +13,7 @@ from tokenmill.arch import RopeConfig
 
 
 def inv_frequencies(rot_dim: int, rope: RopeConfig) -> torch.Tensor:
-    # computed on the CPU even under a meta-device context: meta arange costs ~1 s of one-time
-    # imports at start-up, and the loader rebuilds these tables on the real device anyway
+    # computed on the CPU whatever the default device (RotaryEmbedding moves the tables once)
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -35,14 +34,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * rope.partial_rotary_factor)
-        self.ops: Any = None  # tokenmill's C++ CPU kernels, when the runner enables them
+        self.ops: Any = None  # tokenmill's C++ CPU kernels, once use_cpu_kernels sets them
         inv_freq = inv_frequencies(self.rot_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        device = torch.get_default_device()  # the model is built under its device's context
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos_cache", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(dtype=dtype, device=device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated (in place on the fused path)."""

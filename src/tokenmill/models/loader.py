@@ -1,8 +1,11 @@
 """Builds a model from a checkpoint directory.
 
-The model is built with uninitialised storage in the target dtype, and each safetensors tensor
-is read straight from the file into its parameter (or its slice of a fused parameter). No second copy of the weights and no mmap of whole files: peak RSS
-stays near the size of the weights, plus one tensor when a dtype cast is needed.
+The loader only walks the safetensors files (single, sharded, or listed in an index) and hands each
+tensor to the model's `load_weights`, which places it (layers own their weight loaders: fused shards,
+quantized layouts). The model is built with uninitialised storage in the target dtype on its device;
+each tensor is read from its file into a buffer of its own and copied into its parameter, so peak RSS
+stays near the size of the weights plus the largest tensor. Then every linear layer's method
+post-processes its weights (e.g. packs them for oneDNN).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 from torch import nn
 
 from tokenmill.arch import ArchConfig, model_class
+from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from tokenmill.models.interface import ModelOptions
 
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -76,28 +81,18 @@ def read_header(f: Any, path: str) -> tuple[dict[str, Any], int]:
     return header, data_start
 
 
-def _read_into(f: Any, offset: int, nbytes: int, dest: torch.Tensor, src_dtype: torch.dtype,
-               shape: list[int], path: str) -> None:
-    if list(dest.shape) != shape:
-        raise ValueError(f"{path}: tensor shape {shape} does not match the model's {list(dest.shape)}")
-    f.seek(offset)
-    direct = dest.dtype == src_dtype and dest.device.type == "cpu" and dest.is_contiguous()
-    buf = dest.view(torch.uint8) if direct else torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.reshape(-1).numpy())  # type: ignore[arg-type]
-    if f.readinto(view) != nbytes:
-        raise ValueError(f"{path} is truncated")
-    if not direct:
-        dest.copy_(buf.view(src_dtype).view(shape))
-
-
-def _fused_slice(param: torch.Tensor, cfg: ArchConfig, shard: str) -> torch.Tensor:
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    ranges = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv),
-              "gate_proj": (0, i), "up_proj": (i, 2 * i)}
-    start, end = ranges[shard]
-    return param[start:end]
+def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint, file by file, each read into a CPU tensor of its own."""
+    for path in checkpoint_files(model_dir):
+        with open(path, "rb") as f:
+            header, data_start = read_header(f, path)
+            for name, info in header.items():
+                begin, end = info["data_offsets"]
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                f.seek(data_start + begin)
+                if end > begin and f.readinto(memoryview(buf.numpy())) != end - begin:  # type: ignore[arg-type]
+                    raise ValueError(f"{path} is truncated at tensor {name!r}")
+                yield name, buf.view(_ST_DTYPES[info["dtype"]]).view(info["shape"])
 
 
 @contextlib.contextmanager
@@ -110,56 +105,40 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
+                linear_method: LinearMethod | None = None) -> nn.Module:
+    """The registered model class for cfg, its parameters allocated on device and not initialised."""
     cls = model_class(cfg.architecture)
-    # Layers skip random init, so this allocates uninitialised storage in the target dtype and
-    # touches nothing; the checkpoint then fills it. (Building on the meta device and calling
-    # to_empty imports torch's symbolic-shape machinery: seconds and ~100 MB at start-up.)
+    # Layers skip random init, so this allocates uninitialised storage in the target dtype and touches
+    # nothing; the checkpoint then fills it. (Building on the meta device and calling to_empty imports
+    # torch's symbolic-shape machinery at start-up.)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg, dtype)
-    model.requires_grad_(False)
-    params = dict(model.named_parameters())
-    expected = {(n, s) for n, s in _expected_shards(model, cfg)}
-    loaded: set[tuple[str, str | None]] = set()
+        model: nn.Module = cls(cfg, ModelOptions(dtype, linear_method or UnquantizedLinearMethod()))
+    return model.requires_grad_(False)
+
+
+def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
+               linear_method: LinearMethod | None = None) -> nn.Module:
+    model = build_model(cfg, dtype, device, linear_method)
     with torch.no_grad():
-        for path in checkpoint_files(model_dir):
-            with open(path, "rb") as f:
-                header, data_start = read_header(f, path)
-                for name, info in header.items():
-                    ours, shard = model.checkpoint_name_map(name)
-                    if ours not in params or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
-                        continue
-                    dest = params[ours] if shard is None else _fused_slice(params[ours], cfg, shard)
-                    begin, end = info["data_offsets"]
-                    _read_into(f, data_start + begin, end - begin, dest, _ST_DTYPES[info["dtype"]],
-                               info["shape"], path)
-                    loaded.add((ours, shard))
-    missing = expected - loaded
-    if missing:
-        names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
-        raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {names[:8]}")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    _init_buffers(model, cfg, dtype, device)
+        loaded = model.load_weights(iterate_checkpoint(model_dir))  # type: ignore[operator]
+        missing = missing_weights(model, loaded)
+        if missing:
+            raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.method.process_weights_after_loading(module)
     return model.eval()
 
 
-def _expected_shards(model: nn.Module, cfg: ArchConfig) -> list[tuple[str, str | None]]:
-    out: list[tuple[str, str | None]] = []
-    for name, _ in model.named_parameters():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if ".qkv_proj." in name:
-            out += [(name, s) for s in ("q_proj", "k_proj", "v_proj")]
-        elif ".gate_up_proj." in name:
-            out += [(name, s) for s in ("gate_proj", "up_proj")]
-        else:
-            out.append((name, None))
-    return out
-
-
-def _init_buffers(model: nn.Module, cfg: ArchConfig, dtype: torch.dtype, device: torch.device) -> None:
-    from tokenmill.layers.rotary import RotaryEmbedding
-
-    # the tables are computed on the CPU (see rotary.inv_frequencies), then moved
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dtype).to(device)
+def missing_weights(model: nn.Module, loaded: set[str]) -> list[str]:
+    """Parameters the checkpoint did not fill: a linear layer's by its own record (shard by shard),
+    every other parameter by the names load_weights reported."""
+    missing: list[str] = []
+    owned: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            owned.update(n for n, _ in module.named_parameters(prefix=prefix, recurse=False))
+            missing += [f"{prefix}.{n}" for n in module.missing_weights()]
+    missing += [n for n, _ in model.named_parameters() if n not in owned and n not in loaded]
+    return sorted(missing)

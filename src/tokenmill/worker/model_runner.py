@@ -1,25 +1,27 @@
-"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples."""
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache (or the fused decode
+path where it applies), samples. The Worker (worker.py) builds it once the KV cache is bound."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from tokenmill.attention import get_backend
-from tokenmill.attention.backend import AttentionMetadata, OutputRows, output_rows
-from tokenmill.attention.cpu_kernels import load_cpu_kernels
-from tokenmill.config import EngineConfig, default_num_threads
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, output_rows
+from tokenmill.config import EngineConfig
+from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.layers.linear import pack_linears
-from tokenmill.models.loader import TORCH_DTYPES, load_model
+from tokenmill.kv_cache_spec import KVCacheConfig
 from tokenmill.spec_decode.proposer import ProposalInput, Proposer
+from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
-from tokenmill.worker.memory import BackgroundPopulate, keep_freed_memory, zeros_lazily
+from tokenmill.worker.kv_cache import KVCacheTensors
+from tokenmill.worker.memory import BackgroundPopulate
 from tokenmill.worker.sampler import Sampler, SamplerOutput, topn_logprobs
-from tokenmill.worker.sampling_metadata import LogprobEntry, SamplingMetadata, SamplingTable
+from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
 logger = logging.getLogger(__name__)
 
@@ -33,47 +35,29 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: Any, backend: AttentionBackend, ops: Any,
+                 kv_config: KVCacheConfig, kv_caches: KVCacheTensors) -> None:
         self.config = config
+        self.model = model
+        self.backend = backend
         self.device = torch.device(config.device.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.device.num_threads or default_num_threads())
-            keep_freed_memory()
-        torch.manual_seed(config.model.seed)
-        self.dtype = TORCH_DTYPES[config.model.dtype]
         self.arch = config.model.arch
-        self.model: Any = cast(Any, load_model(config.model.model, self.arch, self.dtype, self.device))
-        ops = None
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            ops = load_cpu_kernels() if config.device.cpu_kernels else None
-            pack_linears(self.model, ops)
-            if ops is not None:
-                self.model.enable_fused_ops(ops)
-        self.backend = get_backend(config.attention_backend)
-        self.block_size = config.cache.block_size
-        self.num_blocks = self._num_blocks()
-        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
-                 self.arch.head_dim)
-        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
-        self._populate = BackgroundPopulate(self.kv_cache, block_dim=2)  # begins after the first step
+        self.block_size = kv_config.block_size
+        self.num_blocks = kv_config.num_blocks
+        self.sliding_window = kv_config.sliding_window
+        self.kv_caches = kv_caches
+        # fault the pool in while idle, each group's tensor; begins after the first step
+        self._populate = [BackgroundPopulate(t, block_dim=d) for t, d in kv_caches.groups]
         self.states: dict[str, CachedRequestState] = {}
         self.eos_token_ids = self.arch.eos_token_ids
         self.sampling = SamplingTable(self.eos_token_ids)  # the states' sampling parameters, one row each
         self.sampler = Sampler(ops)
         self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
+        # a pure-decode step's layer loop in one C++ call where the model and backend allow it
+        self.fused_decode = FusedDecode.create(model, ops, backend)
         # only the sampled rows through the last layer's attention output and MLP (OutputRows);
         # False runs every row through it, the reference path the tests compare with
         self.output_rows_only = True
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.num_blocks,
-                    self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()
-                    * self.kv_cache.element_size() / 2**20)
-
-    def _num_blocks(self) -> int:
-        if self.config.cache.num_kv_blocks is not None:
-            return self.config.cache.num_kv_blocks
-        per_block = self.block_size * self.arch.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
-        return max(1, self.config.cache.kv_cache_bytes // per_block)
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         # a request's drafts follow the tokens the step before took, so that step's output must be in
@@ -99,7 +83,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
-            num_decodes=step.num_decodes, block_size=self.block_size, sliding_window=self.arch.sliding_window)
+            num_decodes=step.num_decodes, block_size=self.block_size, sliding_window=self.sliding_window)
         self.backend.prepare(meta, self.device)
         rows = None
         if self.output_rows_only and not step.prompt_lp_rows and len(step.logits_indices) < len(step.input_ids):
@@ -112,11 +96,13 @@ class ModelRunner:
         """Run a prepared step; steps must execute in the order they were prepared."""
         if prepared is None:
             return ModelRunnerOutput([], [])
-        with self._populate.paused():
+        with contextlib.ExitStack() as stack:
+            for populate in self._populate:
+                stack.enter_context(populate.paused())
             out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling)
             if self.proposer is not None and prepared.step.sample_states:
                 out.spec_token_ids = self._propose(prepared.step, out)
-        return out
+            return out
 
     @torch.inference_mode()
     def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None,
@@ -127,12 +113,16 @@ class ModelRunner:
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
         states = step.sample_states
         greedy = sampling is not None and sampling.all_plain_greedy  # (and then no bitmask)
-        if greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows:
-            ids = self.model.decode_greedy(input_ids, positions, self.kv_caches, meta)
-            if ids is not None:  # the whole step in one call, to its tokens
-                self._record(step, out, SamplerOutput([[t] for t in ids.tolist()]))
-                return out
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
+        fused = self.fused_decode
+        if fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
+            if greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows:
+                ids = fused.greedy(input_ids, positions, meta)
+                if ids is not None:  # the whole step in one call, to its tokens
+                    self._record(step, out, SamplerOutput([[t] for t in ids.tolist()]))
+                    return out
+            hidden = fused.forward(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, rows)
         if sampling is not None:
             self._sample(hidden, step, out, sampling, greedy)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.structured_output import BITS_PER_WORD
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.sampling_metadata import LogprobEntry, SamplingMetadata, SamplingRow
+from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 
 @dataclass

@@ -22,8 +22,6 @@ import torch
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.rejection_sampler import accepted_run
 
-LogprobEntry = tuple[list[int], list[float], list[int]]
-
 
 @dataclass
 class SamplingRow:

@@ -1,0 +1,56 @@
+"""What the engine core needs of the workers, however many and wherever they run.
+
+An executor owns one worker per rank and reaches them all with `collective_rpc(method, args)`: the
+same `Worker` method on every rank, the results in rank order. On top of it the base class plans the
+KV cache from the workers' layer specs and has every worker allocate it. In-process (uniproc.py) is
+one implementation; multiprocess and Ray executors (tensor/pipeline parallelism) are others.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, plan_kv_cache
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.kv_cache_config: KVCacheConfig | None = None
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` on every worker; their results in rank order."""
+
+    @abstractmethod
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on the workers and return the driver's output."""
+
+    @abstractmethod
+    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Queue a step behind those submitted before it (async scheduling)."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    def initialize_kv_cache(self) -> KVCacheConfig:
+        """Plan the pool from the workers' attention layer specs within the cache budget, have every
+        worker allocate it, and return the plan (its num_blocks sizes the scheduler's block pool)."""
+        specs: list[dict[str, KVCacheSpec]] = self.collective_rpc("get_kv_cache_specs")
+        if any(s != specs[0] for s in specs[1:]):
+            raise ValueError("workers declare different KV cache layers")
+        cache = self.config.cache
+        self.kv_cache_config = plan_kv_cache(specs[0], cache.kv_cache_bytes, cache.num_kv_blocks)
+        self.collective_rpc("initialize_kv_cache", (self.kv_cache_config,))
+        return self.kv_cache_config
+
+    @property
+    def num_blocks(self) -> int:
+        if self.kv_cache_config is None:
+            raise RuntimeError("the KV cache is not initialized yet")
+        return self.kv_cache_config.num_blocks

@@ -1,0 +1,61 @@
+// Greedy sampling's argmax over bf16 logits on CPUs, straight from the bf16 bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+// argmax's order on bf16 bits as int16, 32 lanes a vector and no float conversion: a float's
+// order and equality (-0 == +0), with NaN below everything (the max skips NaN, as before).
+inline int16_t argmax_key(uint16_t h) {
+  const int16_t mag = static_cast<int16_t>(h & 0x7fff);
+  const int16_t key = (h & 0x8000) ? static_cast<int16_t>(-mag) : mag;
+  return mag > 0x7f80 ? std::numeric_limits<int16_t>::min() : key;
+}
+
+// Row-wise argmax of bf16 logits [B, V] (the first index of the maximum, as torch's argmax), for
+// greedy sampling without the float32 copy and torch's slow reduction (~1.5 ns per element here).
+// One pass of block maxima remembers the first block holding the row's max; only it is rescanned.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "argmax_rows: needs bfloat16");
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "argmax_rows: needs a contiguous 2-D tensor");
+  const int64_t rows = x.size(0), v = x.size(1);
+  TORCH_CHECK(v > 0, "argmax_rows: empty rows");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
+  int64_t* op = out.data_ptr<int64_t>();
+  constexpr int64_t kBlock = 512;
+  constexpr int16_t kNaN = std::numeric_limits<int16_t>::min();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* row = xp + r * v;
+      int16_t best = kNaN;
+      int64_t at = 0;
+      for (int64_t b = 0; b < v; b += kBlock) {
+        const uint16_t* blk = row + b;
+        const int64_t n = std::min(kBlock, v - b);
+        int16_t m = kNaN;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, argmax_key(blk[i]));
+        if (m > best) best = m, at = b;
+      }
+      // the first index of the max, within its block; a row all NaN gives the last index, as before
+      if (best == kNaN) at = v - 1;
+      else while (argmax_key(row[at]) != best) ++at;
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("argmax_rows", &argmax_rows); }

@@ -1,0 +1,84 @@
+"""The interface every model implements, and the optional ones a runner's fast paths look for.
+
+A model is built as `cls(arch, options)` under its device's context (parameters allocated, not
+initialised), filled by `load_weights` from the checkpoint walk (models/loader.py), and run by the
+runner over a flat batch: `forward(input_ids, positions, meta, rows)` then `compute_logits` on the
+rows it samples. Its attention layers are `layers.attention.PagedAttention`s, which declare their KV
+cache specs and to which the worker binds the cache and the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata, OutputRows
+from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+
+
+@dataclass
+class ModelOptions:
+    """What a model is built with besides its architecture."""
+
+    dtype: torch.dtype
+    linear_method: LinearMethod = field(default_factory=UnquantizedLinearMethod)
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rows: OutputRows | None = None) -> torch.Tensor:
+        """The final hidden states [T, hidden] of every row of the flat batch, or with `rows` of those
+        rows only, in their order (the last layer may then compute its outputs for them alone)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab]."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Consume (checkpoint name, tensor) pairs; returns the names of the parameters filled whole
+        (fused parameters report their shards through their layers' `missing_shards`)."""
+        ...
+
+
+@dataclass
+class DecoderLayerWeights:
+    """One pre-norm decoder layer in the layout the fused CPU decode kernel reads."""
+
+    input_norm: torch.Tensor
+    qkv: LinearBase
+    o_proj: LinearBase
+    post_norm: torch.Tensor
+    gate_up: LinearBase
+    down: LinearBase
+    kv_cache: torch.Tensor  # the layer's bound [2, blocks, block_size, kv_heads, head_dim] cache
+
+
+@dataclass
+class DecoderLayout:
+    """A Llama-shaped decoder (embedding, pre-norm GQA layers with SiLU-gated MLPs and full rotary,
+    final RMSNorm, lm_head) described for the fused decode path (worker/fused_decode.py)."""
+
+    embed: torch.Tensor
+    layers: list[DecoderLayerWeights]
+    final_norm: torch.Tensor
+    lm_head: LinearBase
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    scale: float
+    sliding_window: int | None
+
+
+@runtime_checkable
+class SupportsDecoderLayout(Protocol):
+    def decoder_layout(self) -> DecoderLayout | None:
+        """The model as a DecoderLayout, or None where it is not one (e.g. q/k norms, partial rotary)."""
+        ...

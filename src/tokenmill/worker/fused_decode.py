@@ -1,0 +1,89 @@
+"""The fused CPU decode path: a pure-decode step's whole layer loop in one C++ call
+(kernels: `decode_layers`), or embedding, layers, lm_head and argmax in one (`decode_greedy`).
+
+The runner builds it for a model that describes itself as a `DecoderLayout` (models/interface.py),
+on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes;
+the C++ calls run the same kernels in the same order as the Python layer loop with that backend, so
+they give the same tokens. It reads the backend's decode tables through `CpuBackend.decode_tables`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.cpu import CpuBackend
+from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+from tokenmill.models.interface import DecoderLayout, SupportsDecoderLayout
+
+
+def _gemv_ptr(layer: LinearBase) -> int:
+    """The GEMV's packed-weight address for an unquantized packed layer, else 0."""
+    if not isinstance(layer.method, UnquantizedLinearMethod):
+        return 0
+    return layer.method.gemv_data_ptr(layer)
+
+
+class FusedDecode:
+    def __init__(self, layout: DecoderLayout, ops: Any, backend: CpuBackend) -> None:
+        self.ops = ops
+        self.backend = backend
+        weights: list[torch.Tensor] = []
+        ptrs: list[int] = []
+        for layer in layout.layers:
+            bias = layer.qkv.bias if layer.qkv.bias is not None else layout.final_norm.new_empty(0)
+            weights += [layer.input_norm, layer.qkv.weight, bias, layer.o_proj.weight, layer.post_norm,
+                        layer.gate_up.weight, layer.down.weight]
+            ptrs += [_gemv_ptr(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        self.gemv_ptrs = torch.tensor(ptrs, dtype=torch.int64)
+        self.kv_caches = [layer.kv_cache for layer in layout.layers]
+        # what every call passes, gathered once: module attribute lookups cost more than the Python call
+        self._static = (layout.cos, layout.sin, weights, self.gemv_ptrs, layout.final_norm)
+        self._dims = (layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.rms_norm_eps, layout.scale,
+                      layout.sliding_window or 0, True)
+        self.embed = layout.embed
+        lm_head = layout.lm_head
+        self._lm_head: tuple[Any, ...] | None = None
+        if lm_head.packed:
+            self._lm_head = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, _gemv_ptr(lm_head))
+
+    @classmethod
+    def create(cls, model: Any, ops: Any, backend: Any) -> FusedDecode | None:
+        """The fused path for this model on this backend, or None where it does not apply."""
+        if ops is None or not isinstance(backend, CpuBackend) or backend.ops is None:
+            return None
+        if not isinstance(model, SupportsDecoderLayout):
+            return None
+        layout = model.decoder_layout()
+        if layout is None or layout.cos.dtype != torch.bfloat16 or layout.cos.device.type != "cpu":
+            return None
+        for layer in layout.layers:
+            if not all(m.packed and _gemv_ptr(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):
+                return None
+        return cls(layout, ops, backend)
+
+    def applies(self, meta: AttentionMetadata, num_rows: int) -> bool:
+        """Whether this step is one the fused call takes: pure decode, with the C++ decode tables."""
+        return meta.num_decodes == num_rows and self.backend.decode_tables(meta) is not None
+
+    def _args(self, meta: AttentionMetadata) -> tuple[Any, ...]:
+        tables = self.backend.decode_tables(meta)
+        assert tables is not None
+        return (*self._static, self.kv_caches, meta.slot_mapping, *tables, *self._dims)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states of a pure-decode step (as the model's forward gives them)."""
+        h = torch.nn.functional.embedding(input_ids, self.embed)
+        out: torch.Tensor = self.ops.decode_layers(h, positions, *self._args(meta))
+        return out
+
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Each row's argmax token of a pure-decode step whose rows are all plain greedy, or None where
+        the lm_head is not packed (the caller takes the Python path then)."""
+        if self._lm_head is None:
+            return None
+        ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
+                                                   *self._lm_head)
+        return ids

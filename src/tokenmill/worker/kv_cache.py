@@ -1,0 +1,56 @@
+"""Allocates the KV cache a `KVCacheConfig` describes and binds it to a model's attention layers.
+
+Each group of layers with the same spec gets one tensor, [layers, 2, num_blocks, *block] for K/V
+layouts and [layers, num_blocks, *block] for latent ones, lazily faulted on the CPU (worker/memory.py);
+each layer is bound to its slice. A draft model gets its own config and so its own tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from tokenmill.layers.attention import attention_layers
+from tokenmill.worker.memory import zeros_lazily
+
+
+@dataclass
+class KVCacheTensors:
+    by_layer: dict[str, torch.Tensor]  # each layer's cache
+    groups: list[tuple[torch.Tensor, int]]  # each group's whole tensor and the dimension of its block index
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t, _ in self.groups)
+
+
+def kv_cache_specs(model: nn.Module, block_size: int, dtype: str) -> dict[str, KVCacheSpec]:
+    """Each attention layer's spec, by module name."""
+    return {name: layer.kv_cache_spec(block_size, dtype) for name, layer in attention_layers(model).items()}
+
+
+def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> KVCacheTensors:
+    by_layer: dict[str, torch.Tensor] = {}
+    groups: list[tuple[torch.Tensor, int]] = []
+    for group in config.groups:
+        spec = group.spec
+        dtype = getattr(torch, spec.dtype)
+        pair = (2,) if isinstance(spec, FullAttentionSpec) else ()
+        shape = (len(group.layer_names), *pair, config.num_blocks, *spec.block_shape())
+        tensor = zeros_lazily(shape, dtype, device)
+        groups.append((tensor, 1 + len(pair)))
+        for i, name in enumerate(group.layer_names):
+            by_layer[name] = tensor[i]
+    return KVCacheTensors(by_layer, groups)
+
+
+def bind_kv_caches(model: nn.Module, caches: KVCacheTensors, backend: AttentionBackend) -> None:
+    layers = attention_layers(model)
+    if set(layers) != set(caches.by_layer):
+        raise ValueError("the KV cache config does not name this model's attention layers")
+    for name, layer in layers.items():
+        layer.bind(caches.by_layer[name], backend)

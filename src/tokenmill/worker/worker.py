@@ -1,0 +1,77 @@
+"""One rank's worker: its device and threads, the model it loads, the KV cache it allocates; the
+`ModelRunner` it creates then turns each step's SchedulerOutput into tensors, runs and samples.
+
+Executors call these methods by name (`collective_rpc`), so every public method here is part of the
+executor/worker contract."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tokenmill.attention import get_backend
+from tokenmill.config import EngineConfig, default_num_threads
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from tokenmill.layers import use_cpu_kernels
+from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.models.loader import TORCH_DTYPES, load_model
+from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
+from tokenmill.worker.memory import keep_freed_memory
+from tokenmill.worker.model_runner import ModelRunner, PreparedStep
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.model_runner: ModelRunner | None = None
+        self.init_device()
+        self.load_model()
+
+    def init_device(self) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.config.device.num_threads or default_num_threads())
+            keep_freed_memory()
+        torch.manual_seed(self.config.model.seed)
+
+    def load_model(self) -> None:
+        """The checkpoint into this device's model; on a bf16 CPU with tokenmill's C++ kernels built,
+        the linear layers, elementwise layers and attention take them."""
+        cfg = self.config
+        use_ops = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.device.cpu_kernels
+        self.ops: Any = load_cpu_kernels() if use_ops else None
+        self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
+                                     UnquantizedLinearMethod(self.ops))
+        use_cpu_kernels(self.model, self.ops)
+        self.backend = get_backend(cfg.attention_backend)
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return kv_cache_specs(self.model, self.config.cache.block_size, self.config.model.dtype)
+
+    def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
+        caches = allocate_kv_caches(kv_config, self.device)
+        bind_kv_caches(self.model, caches, self.backend)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", kv_config.num_blocks,
+                    kv_config.block_size, kv_config.num_blocks * kv_config.block_size, caches.nbytes / 2**20)
+        self.model_runner = ModelRunner(self.config, self.model, self.backend, self.ops, kv_config, caches)
+
+    def runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("the worker's KV cache is not initialized yet")
+        return self.model_runner
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner().execute_model(so)
+
+    def prepare(self, so: SchedulerOutput) -> PreparedStep | None:
+        return self.runner().prepare(so)
+
+    def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
+        return self.runner().execute(prepared)

@@ -1,0 +1,121 @@
+"""(CPU) the fused decode path (worker/fused_decode.py: ops.decode_layers, the layer loop of a pure-decode
+step in one C++ call) against the Python
+layer loop it replaces: it calls the same kernels on the same tensors, so tokens and logprobs must
+be bitwise equal, for every architecture it takes (Llama, Qwen2's qkv bias, Mistral's window)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers.linear import gemv_layout_ok
+from tokenmill.worker.fused_decode import FusedDecode
+
+OPS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_packed_gemv() or not gemv_layout_ok(OPS),
+                                reason="needs the C++ kernels with the AVX512-BF16 GEMV on oneDNN's AB16b64a2b")
+
+
+def _use_fused(llm: LLM, ops: Any, fused: bool) -> None:
+    """The runner's fused decode path through `ops`, or none: the Python layer loop, the reference."""
+    runner = llm.engine.core.executor.runner
+    runner.fused_decode = FusedDecode.create(runner.model, ops, runner.backend) if fused else None
+    if fused:  # every projection's GEMV is called by address, not through the op
+        ptrs = runner.fused_decode.gemv_ptrs
+        assert ptrs.numel() == 4 * len(runner.model.layers) and bool((ptrs != 0).all())
+
+
+class CountingOps:
+    def __init__(self, ops: Any, name: str = "decode_layers") -> None:
+        self.ops, self.name, self.calls = ops, name, 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self.name:
+            self.calls += 1
+        return getattr(self.ops, name)
+
+
+def _run(model_dir: str, fused: bool, num_prompts: int, params: Any = None, count: str = "decode_layers",
+         **engine_args: Any) -> tuple[list[Any], int]:
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="4MiB", device="cpu", **engine_args)
+    counter = CountingOps(OPS, count)
+    _use_fused(llm, counter, fused)
+    prompts = random_prompts(num_prompts, 3, 40, seed=num_prompts)
+    params = params or SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    return llm.generate(prompts, params, use_tqdm=False), counter.calls
+
+
+@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window"])
+@pytest.mark.parametrize("num_prompts", [1, 4, 9])  # 9: past the GEMV, oneDNN's packed linear
+def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name: str, num_prompts: int) -> None:
+    fast, fast_calls = _run(model_dirs[name], True, num_prompts)
+    ref, ref_calls = _run(model_dirs[name], False, num_prompts)
+    assert fast_calls >= 25 and ref_calls == 0  # the fused path ran for (nearly) every decode step
+    for a, b in zip(fast, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bitwise: the same kernels in the same order
+
+
+@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window"])
+@pytest.mark.parametrize("num_prompts", [1, 9])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_greedy_matches_the_python_path(model_dirs: dict[str, str], name: str, num_prompts: int,
+                                               async_scheduling: bool) -> None:
+    # ops.decode_greedy (embedding, layers, lm_head, argmax in one call) against the Python layer loop,
+    # compute_logits and the sampler; min_tokens keeps the first steps off it (not plain greedy then)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=4 if i % 2 else 0)
+              for i in range(num_prompts)]
+    fast, fast_calls = _run(model_dirs[name], True, num_prompts, params, "decode_greedy",
+                            async_scheduling=async_scheduling)
+    ref, ref_calls = _run(model_dirs[name], False, num_prompts, params, "decode_greedy",
+                          async_scheduling=async_scheduling)
+    assert ref_calls == 0
+    # every pure-decode step once each row is past min_tokens: 29 decode steps, the first 3 not fused
+    # where any row has min_tokens (the step of a later-admitted prompt is not pure decode either)
+    assert 20 <= fast_calls <= 29 - (3 if num_prompts > 1 else 0)
+    for a, b in zip(fast, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_greedy_through_preemption(model_dirs: dict[str, str], async_scheduling: bool) -> None:
+    # 12 blocks of 8 tokens for 9 prompts: requests are preempted and resumed between fused steps
+    prompts = random_prompts(9, 3, 40, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs, calls = [], []
+    for fused in (True, False):
+        llm = LLM(model_dirs["llama-gqa4-untied"], dtype="bfloat16", device="cpu", num_kv_blocks=12, block_size=8,
+                  max_model_len=96, async_scheduling=async_scheduling)
+        counter = CountingOps(OPS, "decode_greedy")
+        _use_fused(llm, counter, fused)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        calls.append(counter.calls)
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.kv.num_free_blocks == 12
+    assert calls[0] > 20 and calls[1] == 0
+    assert outs[0] == outs[1]
+
+
+def test_decode_greedy_is_not_taken_for_sampled_rows(model_dirs: dict[str, str]) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)]
+    _, calls = _run(model_dirs["llama-gqa4-untied"], True, 2, params, "decode_greedy")
+    assert calls == 0
+
+
+def test_decode_layers_is_off_where_it_does_not_apply(model_dirs: dict[str, str]) -> None:
+    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
+    assert llm.engine.core.executor.runner.fused_decode is not None
+    # q/k norms: not fused
+    llm = LLM(model_dirs["qwen3-qknorm"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
+    assert llm.engine.core.executor.runner.fused_decode is None
+    # no packed bf16 GEMV
+    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="float32", kv_cache_memory="4MiB", device="cpu")
+    assert llm.engine.core.executor.runner.fused_decode is None
+    llm = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu",
+              attention_backend="torch_ref")  # not the C++ attention backend's tables
+    assert llm.engine.core.executor.runner.fused_decode is None
