@@ -39,6 +39,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps that ran any token, cumulative
         self.structured_output: StructuredOutput = NoStructuredOutput()
+        self._structured = False  # a manager other than the no-op is set: ask it and tell it
 
     def set_structured_output(self, manager: StructuredOutput) -> None:
         # a step's bitmasks follow the tokens taken before it: async scheduling builds a step before
@@ -46,6 +47,7 @@ class Scheduler:
         if self.config.async_scheduling:
             raise ValueError("structured output needs async_scheduling off")
         self.structured_output = manager
+        self._structured = not isinstance(manager, NoStructuredOutput)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,7 +91,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n, drafts = self._num_new_tokens(req, budget)
+            if req.spec_token_ids:
+                n, drafts = self._with_drafts(req, budget)
+            else:
+                n, drafts = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
+                                self.max_model_len - req.num_computed_tokens), None
             if n <= 0 or (req.num_output_placeholders and self._ends_with_placeholders(req)):
                 i += 1
                 continue
@@ -107,7 +113,8 @@ class Scheduler:
             budget -= n
             if drafts:
                 spec[req.request_id] = drafts
-            req.spec_token_ids = []
+            if req.spec_token_ids:
+                req.spec_token_ids = []  # scheduled, or cut: the step's output brings new ones
             cached_reqs.append(self._cached_data(req, new_block_ids))
             self._advance(req, n, sampling)
             i += 1
@@ -142,23 +149,21 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, set()
         if budget < self.config.max_num_batched_tokens:
             self.num_steps += 1
-        bitmasks = self.structured_output.grammar_bitmask(sampling, spec) if sampling else {}
+        bitmasks = self.structured_output.grammar_bitmask(sampling, spec) if self._structured and sampling else {}
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, self.config.max_num_batched_tokens - budget,
                                finished, spec, bitmasks)
 
-    def _num_new_tokens(self, req: Request, budget: int) -> tuple[int, list[int]]:
-        """The tokens to compute for a running request this step, and the drafts among them: its
-        proposals follow its last token, as many as the budget leaves and as could still be taken
-        (all of them and one more within max_tokens and max_model_len)."""
+    def _with_drafts(self, req: Request, budget: int) -> tuple[int, list[int]]:
+        """The tokens to compute for a running request with proposals, and the drafts among them:
+        they follow its last token, as many as the budget leaves and as could still be taken (all of
+        them and one more within max_tokens and max_model_len)."""
         remaining = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
-        drafts = req.spec_token_ids
-        if drafts and not req.num_output_placeholders:  # (with a step in flight they would not follow)
+        drafts: list[int] = []
+        if not req.num_output_placeholders:  # with a step in flight they would not follow its last token
             room = self.max_model_len - req.num_tokens - 1
             if req.sampling_params.max_tokens is not None:
                 room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
-            drafts = drafts[:max(room, 0)]
-        else:
-            drafts = []
+            drafts = req.spec_token_ids[:max(room, 0)]
         n = min(remaining + len(drafts), budget, self.max_model_len - req.num_computed_tokens)
         return n, drafts[:max(n - remaining, 0)]
 
@@ -230,10 +235,10 @@ class Scheduler:
                 if self._check_stop(req, tok):  # where one token at a time would have stopped
                     new_tokens = new_tokens[:k + 1]
                     break
-            if new_tokens:
+            if new_tokens and self._structured:
                 self.structured_output.accept_tokens(req, new_tokens)
-                if was_running and not req.is_finished:
-                    req.spec_token_ids = out.spec_token_ids.get(rid, [])
+            if out.spec_token_ids and was_running and not req.is_finished:
+                req.spec_token_ids = out.spec_token_ids.get(rid, [])
             logprobs = out.logprobs.get(rid)
             output = EngineCoreOutput(rid, new_tokens, new_logprobs=logprobs and logprobs[:len(new_tokens)],
                                       num_cached_tokens=max(req.num_cached_tokens, 0))
@@ -276,7 +281,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req.request_id)
-        self.structured_output.free(req.request_id)
+        if self._structured:
+            self.structured_output.free(req.request_id)
         del self.requests[req.request_id]
         self._preempted_since_seen.discard(req.request_id)
         if req.request_id in self._seen_by_workers:

@@ -3,6 +3,7 @@ SchedulerOutput (decodes first, then prefill chunks and requests with draft toke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,7 +101,7 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         st = states[rid]
         n = so.num_scheduled_tokens[rid]
         start = st.num_computed_tokens
-        drafts = spec.get(rid, []) if spec else []  # inputs after the request's own tokens
+        drafts: Sequence[int] = spec.get(rid, ()) if spec else ()  # inputs after the request's own tokens
         if n == 1:
             if start < len(st.token_ids):
                 dec_ids.append(st.token_ids[start])
@@ -113,7 +114,7 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
             p = np.arange(start, start + n)
             first = start // block_size  # only the blocks this chunk writes, not the whole table
             blocks = np.asarray(st.block_ids[first:(start + n - 1) // block_size + 1])
-            ids.append(np.asarray(st.token_ids[start:start + n - len(drafts)] + drafts))
+            ids.append(np.asarray(st.token_ids[start:start + n - len(drafts)] + list(drafts)))
             pos.append(p)
             slots.append(blocks[p // block_size - first] * block_size + p % block_size)
         row0 = qsl[-1]
@@ -122,7 +123,7 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
         tables.append(st.block_ids)  # the next step may extend it while this one runs: the head stays
         if start + n - len(drafts) >= len(st.token_ids):
             if drafts:  # the last token's row, then each draft's
-                sample_drafts[len(sample_states)] = drafts
+                sample_drafts[len(sample_states)] = list(drafts)
                 logits_idx.extend(range(row0 + n - 1 - len(drafts), row0 + n - 1))
                 logits_seqs.extend([i] * len(drafts))
             logits_idx.append(row0 + n - 1)
