@@ -66,15 +66,15 @@ def engine(model_dir: str, **args: Any) -> LLM:
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], cold: bool = True
         ) -> tuple[list[Any], int]:
-    """Each request's (tokens, finish reason, stop reason), and the engine steps they took; cold: from
-    an empty prefix cache."""
+    """Each request's (tokens, finish reason, stop reason, text), and the engine steps they took; cold:
+    from an empty prefix cache."""
     sched = llm.engine.core.scheduler
     if cold:
         assert llm.engine.reset_prefix_cache()
     steps = sched.num_steps
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks  # nothing left behind
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs], (
+    return [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in (o.outputs[0] for o in outs)], (
         sched.num_steps - steps)
 
 
@@ -112,7 +112,7 @@ def test_right_drafts_change_no_token_and_take_several_a_step(configured: tuple[
     runner = llm.engine.core.executor.runner
     runner.set_proposer(None)
     plain, plain_steps = run(llm, PROMPTS, mixed_params())
-    runner.set_proposer(Oracle([p + tokens for p, (tokens, _, _) in zip(PROMPTS, plain, strict=True)], 4))
+    runner.set_proposer(Oracle([p + tokens for p, (tokens, *_) in zip(PROMPTS, plain, strict=True)], 4))
     spec, steps = run(llm, PROMPTS, mixed_params())
     assert spec == plain
     assert steps < 0.6 * plain_steps, (steps, plain_steps)
@@ -124,14 +124,15 @@ def test_a_stop_inside_an_accepted_run_cuts_it_where_one_token_at_a_time_would(l
     prompts = PROMPTS[:4]
     free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     full, _ = run(llm, prompts, [free] * 4)
-    stop_token = full[1][0][5]
+    stop_token, stop_text = full[1][0][5], full[3][3][-8:-5]
     params = [free.clone(max_tokens=5), free.clone(stop_token_ids=[stop_token]),
               free.clone(ignore_eos=False, logit_bias={EOS: 40.0}, min_tokens=7),
-              free.clone(stop_token_ids=[full[3][0][0]])]  # stops on its first token
+              free.clone(stop=[stop_text])]  # a stop string: the front end cuts the run there
     plain, plain_steps = run(llm, prompts, params)
-    assert plain[1][0][-1] == stop_token and plain[1][1:] == ("stop", stop_token)
+    assert plain[1][0][-1] == stop_token and plain[1][1:3] == ("stop", stop_token)
     assert plain[2][0][-1] == EOS and len(plain[2][0]) == 8 and plain[0][1] == "length"
-    runner.set_proposer(Oracle([p + tokens for p, (tokens, _, _) in zip(prompts, full, strict=True)], 8))
+    assert plain[3][1:3] == ("stop", stop_text) and len(plain[3][0]) < 30
+    runner.set_proposer(Oracle([p + tokens for p, (tokens, *_) in zip(prompts, full, strict=True)], 8))
     spec, steps = run(llm, prompts, params)
     assert spec == plain and steps < plain_steps
 
@@ -161,7 +162,7 @@ def test_a_seeded_random_run_with_drafts_is_reproducible_and_the_same_as_without
     plain, _ = run(llm, PROMPTS, params)
     runs = []
     for _ in range(2):
-        runner.set_proposer(Oracle([p + t for p, (t, _, _) in zip(PROMPTS, plain, strict=True)], 3))
+        runner.set_proposer(Oracle([p + t for p, (t, *_) in zip(PROMPTS, plain, strict=True)], 3))
         runs.append(run(llm, PROMPTS, params))
         runner.set_proposer(Garbage(2, seed=7))
         runs.append(run(llm, PROMPTS, params))

@@ -109,6 +109,9 @@ class SamplingMetadata:
 class SamplingTable:
     """One row per request the worker holds (see the module docstring)."""
 
+    ARRAYS = ("temperature", "top_k", "top_p", "min_p", "greedy", "filter", "seeded", "never_plain",
+              "pending_plain", "processors", "logprobs")
+
     def __init__(self, eos_token_ids: tuple[int, ...] = (), capacity: int = 64) -> None:
         self.eos_token_ids = eos_token_ids
         self.index: dict[str, int] = {}
@@ -166,7 +169,8 @@ class SamplingTable:
             moved = self.req_ids[last]
             self.index[moved] = i
             self.req_ids[i], self.rows[i] = moved, self.rows[last]
-            for a in self._arrays():
+            for name in self.ARRAYS:
+                a = getattr(self, name)
                 a[i] = a[last]
         self.req_ids.pop()
         self.rows.pop()
@@ -233,13 +237,8 @@ class SamplingTable:
             self._logprobs[int(self.logprobs[i])] += sign
             self._logprobs += Counter()  # drops the counts that reached 0
 
-    def _arrays(self) -> list[np.ndarray]:
-        return [self.temperature, self.top_k, self.top_p, self.min_p, self.greedy, self.filter, self.seeded,
-                self.never_plain, self.pending_plain, self.processors, self.logprobs]
-
     def _grow(self) -> None:
-        for name in ("temperature", "top_k", "top_p", "min_p", "greedy", "filter", "seeded", "never_plain",
-                     "pending_plain", "processors", "logprobs"):
+        for name in self.ARRAYS:
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.empty_like(a)]))
 
