@@ -10,7 +10,8 @@ import argparse
 import glob
 import os
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 import psutil
 
@@ -79,34 +80,45 @@ def parse_memory(value: str | int | float) -> int | float:
     return int(number * _UNITS[unit])
 
 
+def _arg(default: Any, doc: str) -> Any:
+    """An EngineArgs field with a default; `doc` is its --help text."""
+    return field(default=default, metadata={"help": doc})
+
+
 @dataclass
 class EngineArgs:
-    """Everything a user can set; field docs double as CLI help."""
+    """Everything a user can set; each field's metadata["help"] is its CLI help."""
 
-    model: str
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    # None: 32 on CPU, 16 on a GPU. On CPU longer runs of contiguous KV per block read faster (the
-    # decode kernel over scattered blocks: 18.8 GB/s at 16, 21.5 at 32, 23.1 at 64), but whole runs
-    # came out level from 32 on (medians 34.82 s at 16, 33.90 at 32, 33.86 at 64; another session
-    # 33.69 at 32, 34.14 at 64), and prefix-cache hits come in whole blocks: at 32, 992 of a shared
-    # 1,000-token prefix hit instead of 960, and a hit prompt's first token came ~6 ms sooner
-    block_size: int | None = None
-    kv_cache_memory: str | int | float | None = None
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    device: str = "auto"
-    num_threads: int | None = None
-    attention_backend: str = "auto"
-    cpu_kernels: bool = True
-    # None: on where a CPU is free for the scheduling thread beside the compute threads (always on a
-    # GPU); `tokenmill serve` also leaves one to its API process
-    async_scheduling: bool | None = None
+    model: str = field(metadata={"help": "a Hugging Face checkpoint directory (config.json, *.safetensors)"})
+    tokenizer: str | None = _arg(None, "the tokenizer's directory (default: the model's)")
+    served_model_name: str | None = _arg(None, "the model name the OpenAI API reports and accepts, besides the "
+                                               "model path (default: the model path)")
+    dtype: str = _arg("auto", "weight and activation dtype; auto: the checkpoint's (float16 runs as bfloat16 on "
+                              "a CPU)")
+    max_model_len: int | None = _arg(None, "the most tokens a sequence holds, prompt and output together "
+                                           "(default: the model's max_position_embeddings)")
+    seed: int = _arg(0, "seed of the engine's random generator, which samples the requests that bring no seed")
+    block_size: int | None = _arg(None, "tokens per KV-cache block (default: 32 on a CPU, 16 on a GPU); "
+                                        "prefix-cache hits come in whole blocks")
+    kv_cache_memory: str | int | float | None = _arg(
+        None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3) (default: 4 GiB "
+              "or 0.3 of available memory, whichever is less)")
+    num_kv_blocks: int | None = _arg(None, "KV-cache size in blocks; overrides --kv-cache-memory")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompt prefixes computed before")
+    max_num_seqs: int = _arg(256, "the most sequences running at once")
+    max_num_batched_tokens: int = _arg(2048, "the most tokens one step computes; longer prompts are prefilled "
+                                             "in chunks")
+    device: str = _arg("auto", "auto, cpu or cuda; auto: cuda if torch sees a CUDA GPU")
+    num_threads: int | None = _arg(None, "CPU compute threads (default: one per CPU this process may use; "
+                                         "`tokenmill serve` leaves one of them to its API process)")
+    attention_backend: str = _arg("auto", "attention implementation: cpu (tokenmill's C++ kernels), sdpa "
+                                          "(torch's scaled_dot_product_attention), torch_ref (the plain "
+                                          "reference) or cuda; auto: cuda on a GPU, else cpu, or sdpa with "
+                                          "--no-cpu-kernels")
+    cpu_kernels: bool = _arg(True, "tokenmill's C++ kernels on a CPU (decode attention, fused bf16 ops)")
+    async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
+                                               "where a CPU is free for the scheduling thread beside the compute "
+                                               "threads, and always on a GPU)")
 
     def create_engine_config(self) -> EngineConfig:
         arch = load_arch_config(self.model)
@@ -182,21 +194,26 @@ class EngineArgs:
         return value
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One option per field but `model` (each subcommand takes it its own way), with the field's help."""
         for f in fields(cls):
             if f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = None if f.default is MISSING else f.default
-            if f.type in ("bool", "bool | None") or isinstance(default, bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif f.name in ("max_model_len", "num_kv_blocks", "num_threads", "max_num_seqs",
-                            "max_num_batched_tokens", "block_size", "seed"):
-                parser.add_argument(flag, type=int, default=default)
+            doc = f.metadata["help"]
+            if isinstance(default, bool):
+                doc += f" (default: {'on' if default else 'off'})"
+            elif default is not None:  # a None default is described in the help itself
+                doc += f" (default: {default})"
+            if f.type in ("bool", "bool | None"):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
+            elif f.type in ("int", "int | None"):
+                parser.add_argument(flag, type=int, default=default, help=doc)
             elif f.name == "dtype":
-                parser.add_argument(flag, choices=DTYPES, default=default)
+                parser.add_argument(flag, choices=DTYPES, default=default, help=doc)
             else:
-                parser.add_argument(flag, type=str, default=default)
+                parser.add_argument(flag, type=str, default=default, help=doc)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -213,7 +230,7 @@ def resolve_device(device: str) -> str:
     if device == "cpu":
         return device
     if device == "auto" and not _gpu_device_nodes():
-        return "cpu"  # no torch import (~1.5 s of start-up) in a process that needs none
+        return "cpu"  # no torch import (seconds of start-up) in a process that needs none
     import torch
 
     has_cuda = torch.cuda.is_available()
@@ -239,14 +256,15 @@ def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:
 
 def default_async_scheduling(device: str, num_threads: int | None, busy_cpus: int = 0) -> bool:
     """Async scheduling pays where the scheduling thread has a CPU of its own beside the compute
-    threads and busy_cpus others (the serving API process): on the 2-core CPU host, with one compute
-    thread, it made offline runs 4-7% faster; serving, where it shared the second core with the API
-    process, it made TPOT p99 20 ms instead of 16. Always on a GPU, where the compute is not on a CPU."""
+    threads and busy_cpus others (the serving API process); sharing one, it slows the steps down
+    (bench/README.md, "Where the defaults come from"). Always on a GPU, where the compute is not on a CPU."""
     if device == "cuda":
         return True
     cpus = default_num_threads()
     return cpus > (num_threads or cpus) + busy_cpus
 
 
-def default_num_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)))
+def default_num_threads(busy_cpus: int = 0) -> int:
+    """Compute threads when none are asked for: one per CPU this process may run on, less
+    busy_cpus left to other work (`tokenmill serve` leaves one to its API process); at least one."""
+    return max(1, len(os.sched_getaffinity(0)) - busy_cpus)

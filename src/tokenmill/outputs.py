@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -18,12 +18,13 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class RequestMetrics:
+    """Wall-clock times (time.time()) of one request's life."""
+
     arrival_time: float
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # when the engine core first scheduled any of its sequences
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -50,5 +51,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
-    error: str | None = field(default=None)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache

@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import random_prompts
 from tests.fixtures import VOCAB
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.input_processor import check_token_ids, resolve_max_tokens
 
 SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
 
@@ -162,6 +163,20 @@ def test_duplicate_request_id_is_rejected(llm: LLM, baseline: list[list[int]]) -
     while engine.has_unfinished_requests():
         engine.step()
     assert_still_serving(llm, baseline)
+
+
+def test_one_vocabulary_check_and_one_max_tokens_rule() -> None:
+    check_token_ids([0, VOCAB - 1], VOCAB, "tokens")
+    for ids in ([0, VOCAB], [-1]):
+        with pytest.raises(ValueError, match=rf"^tokens has token id {ids[-1]}, out of vocabulary .*0\.\.{VOCAB - 1}"):
+            check_token_ids(ids, VOCAB, "tokens")
+    assert resolve_max_tokens(10, None, 512) == 502
+    assert resolve_max_tokens(10, 600, 512) == 600  # offline: generation stops at max_model_len
+    assert resolve_max_tokens(10, 502, 512, must_fit=True) == 502
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens.*requested 513 tokens"):
+        resolve_max_tokens(10, 503, 512, must_fit=True)
+    with pytest.raises(ValueError, match="^max_completion_tokens must be at least 1, got 0"):
+        resolve_max_tokens(10, 0, 512, name="max_completion_tokens")
 
 
 def test_unknown_engine_argument(llama_dir: str) -> None:

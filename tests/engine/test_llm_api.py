@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import random_prompts
 from tokenmill import LLM, RequestOutput, SamplingParams
 
 
@@ -37,8 +38,32 @@ def test_outputs_in_input_order_with_timing(llm: LLM) -> None:
     assert [len(o.outputs[0].token_ids) for o in outs] == [2 + i for i in range(6)]
     for o in outs:
         m = o.metrics
-        assert m is not None and m.first_token_time is not None and m.finished_time is not None
-        assert m.arrival_time <= m.first_token_time <= m.finished_time
+        assert m is not None and m.first_scheduled_time is not None
+        assert m.first_token_time is not None and m.finished_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_queued_request_metrics_and_cached_tokens(llama_dir: str) -> None:
+    # one sequence at a time: b waits in the queue for a, then finds a's prompt in the prefix cache
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", max_num_seqs=1, block_size=16)
+    a = random_prompts(1, 80, 80, seed=41)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out_a, out_b = llm.generate([a, a + [7]], params, use_tqdm=False)
+    assert_queued_after(out_a, out_b)
+    assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.num_blocks
+
+
+def assert_queued_after(out_a: RequestOutput, out_b: RequestOutput) -> None:
+    """b (a's 80-token prompt plus one token) ran after a, with a's prompt blocks cached."""
+    ma, mb = out_a.metrics, out_b.metrics
+    assert ma is not None and mb is not None
+    for m in (ma, mb):
+        assert m.first_scheduled_time is not None and m.first_token_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+    assert ma.first_scheduled_time is not None and mb.first_scheduled_time is not None
+    assert mb.first_scheduled_time > ma.first_scheduled_time
+    assert out_a.num_cached_tokens == 0
+    assert 0 < out_b.num_cached_tokens <= 80 and out_b.num_cached_tokens % 16 == 0
 
 
 def test_n_samples_and_seed(llm: LLM) -> None:

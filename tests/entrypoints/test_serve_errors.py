@@ -33,6 +33,10 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": MSG, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stream": True, "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens"),
@@ -49,6 +53,7 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
 ]
 
 

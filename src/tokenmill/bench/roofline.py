@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 from tokenmill.bench.results import ResultSink, emit, machine
+from tokenmill.config import default_num_threads
 
 FIELDS = ("mem_read_GBps", "mem_copy_GBps", "matvec_bf16_GBps", "matmul_fp32_gflops", "matmul_bf16_gflops")
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
@@ -175,7 +176,7 @@ def ceilings(dtype: str, bandwidth: float | None = None, flops: float | None = N
             if found is not None:
                 figures, source = found[0], f"cache (threads={found[1]})"
         if figures is None and measure_missing:
-            t = threads or len(os.sched_getaffinity(0))
+            t = threads or default_num_threads()
             figures, source = cached_measure(t, device=device)[0], f"measured (threads={t})"
     flops_key = "matmul_fp32_gflops" if dtype == "float32" else "matmul_bf16_gflops"
     return Ceilings(
@@ -197,7 +198,7 @@ def isa_flags() -> list[str]:
 
 def thread_counts(spec: str | None) -> list[int]:
     if spec is None:
-        return sorted({1, len(os.sched_getaffinity(0))})
+        return sorted({1, default_num_threads()})
     try:
         counts = [int(t) for t in spec.split(",") if t.strip()]
     except ValueError:

@@ -6,9 +6,9 @@ import msgspec
 
 from tokenmill.sampling_params import SamplingParams
 
-# One position's logprobs: parallel lists (token ids, logprobs, ranks); index 0 is the
-# sampled/actual token, the rest are the top-N in order.
-PositionLogprobsWire = tuple[list[int], list[float], list[int]]
+# One position's logprobs, as the sampler makes them and the wire carries them: parallel lists
+# (token ids, logprobs, ranks); index 0 is the sampled/actual token, the rest are the top-N in order.
+LogprobEntry = tuple[list[int], list[float], list[int]]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -23,9 +23,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[PositionLogprobsWire] | None = None
+    new_logprobs: list[LogprobEntry] | None = None
     # prompt logprobs for positions [start, start + len): position p scores prompt token p
-    prompt_logprobs: list[PositionLogprobsWire] | None = None
+    prompt_logprobs: list[LogprobEntry] | None = None
     prompt_logprobs_start: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -53,3 +53,5 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # request id -> when the scheduler first scheduled it, for those first scheduled since the last outputs
+    scheduled: dict[str, float] = msgspec.field(default_factory=dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.core.messages import LogprobEntry
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -48,9 +49,7 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    # per request: per sampled token (token ids, logprobs, ranks) or None
-    logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
-    # per request: (first position, per position (ids, logprobs, ranks))
-    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], list[int]]]]] = field(
-        default_factory=dict
-    )
+    # per request: one entry per sampled token
+    logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    # per request: (first position, one entry per position from there)
+    prompt_logprobs: dict[str, tuple[int, list[LogprobEntry]]] = field(default_factory=dict)

@@ -17,12 +17,12 @@ from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import EngineArgs, EngineConfig
-from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.core_client import CoreClient
-from tokenmill.engine.core_proc import CoreStep, EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from tokenmill.engine.llm_engine import child_requests
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.wire import EngineDeadError
 from tokenmill.metrics import EngineMetrics
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -155,17 +155,17 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.tokenize(prompt)
-        if self.max_queue_len is not None:
+        now = time.time()
+        delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
+        children = child_requests(request_id, delta_params)
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
+        if self.max_queue_len is not None:  # after validation: a bad request is a ValueError, never a full queue
             capacity = self.config.scheduler.max_num_seqs + self.max_queue_len
             if params.n > capacity:
                 raise ValueError(f"n ({params.n}) is more than this server's capacity of {capacity} sequences")
             if sum(self._num_seqs.values()) + params.n > capacity:
                 raise QueueFullError(f"the server is at capacity ({capacity} sequences running or queued); "
                                      "retry later")
-        now = time.time()
-        delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
-        children = child_requests(request_id, delta_params)
-        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           delta_params, [cid for cid, _ in children], now)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -215,16 +215,13 @@ class AsyncLLM:
             logger.exception("the output loop failed")
             self._fail_all(EngineDeadError(f"the engine front end failed: {type(e).__name__}: {e}"))
 
-    def _handle_step(self, step: CoreStep) -> None:
+    def _handle_step(self, outs: EngineCoreOutputs) -> None:
         now = time.time()
-        outs = step.outputs
         if outs.stats is not None:
             self.stats = outs.stats
             self.metrics.scheduler_stats(outs.stats)
-        for child_id, when in step.scheduled.items():
-            parent = self.output_processor.child_to_parent.get(child_id)
-            if parent is not None:
-                self.metrics.request_scheduled(parent, when)
+        for request_id, when in self.output_processor.record_scheduled(outs.scheduled):
+            self.metrics.request_scheduled(request_id, when)
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:
             self.client.abort_requests(to_stop)

@@ -32,6 +32,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.num_blocks = num_blocks
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
@@ -50,7 +51,7 @@ class EngineCore:
         if not self.config.scheduler.async_scheduling:
             if not self.scheduler.has_unfinished_requests():
                 return EngineCoreOutputs([], self.scheduler.stats(), time.time())
-            so = self.scheduler.schedule()
+            so = self._schedule()
             return self._outputs(so, self.executor.execute_model(so))
         if not self._in_flight:
             if not self.scheduler.has_unfinished_requests():
@@ -62,12 +63,20 @@ class EngineCore:
         return self._outputs(so, future.result())
 
     def _submit(self) -> None:
-        so = self.scheduler.schedule()
+        so = self._schedule()
         self._in_flight.append((so, self.executor.submit(so)))
+
+    def _schedule(self) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        if so.scheduled_new_reqs:  # a request is new to the workers exactly once: its first schedule
+            now = time.time()
+            self._scheduled.update((r.req_id, now) for r in so.scheduled_new_reqs)
+        return so
 
     def _outputs(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(so, runner_out)
-        return EngineCoreOutputs(outputs, self.scheduler.stats(), time.time())
+        scheduled, self._scheduled = self._scheduled, {}
+        return EngineCoreOutputs(outputs, self.scheduler.stats(), time.time(), scheduled)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight) or self.scheduler.has_unfinished_requests()

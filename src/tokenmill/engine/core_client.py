@@ -1,5 +1,5 @@
 """The API process's side of the engine core: spawns the core process (core_proc), owns the
-two ZMQ sockets, and notices the core's death through its process sentinel."""
+two ZMQ sockets (messages in wire), and notices the core's death through its process sentinel."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.messages import EngineCoreRequest
-from tokenmill.engine.core_proc import (
+from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.engine.core_proc import run_engine_core
+from tokenmill.engine.wire import (
     ABORT,
     ADD,
     FAILED,
@@ -30,12 +31,10 @@ from tokenmill.engine.core_proc import (
     UTILITY_RESULT,
     AbortRequests,
     CoreReady,
-    CoreStep,
     EngineDeadError,
     UtilityCall,
     decode,
     encode,
-    run_engine_core,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ class CoreClient:
         self._send(UTILITY, UtilityCall(self._call_ids, method))
         return await fut
 
-    async def get_output(self) -> CoreStep:
+    async def get_output(self) -> EngineCoreOutputs:
         """The next batch of outputs; utility results are resolved on the way."""
         while True:
             if self.dead is not None:

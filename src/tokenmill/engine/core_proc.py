@@ -1,8 +1,7 @@
-"""The engine core in its own process, and the typed messages it exchanges with the API
-process (whose side is core_client.CoreClient).
+"""The engine core in its own process; the API process's side is core_client.CoreClient.
 
-Two ZMQ PUSH/PULL pipes over ipc:// sockets in a private temp dir carry multipart
-messages `[kind, msgpack payload]` of typed msgspec Structs. The core drains its input
+Two ZMQ PUSH/PULL pipes over ipc:// sockets in a private temp dir carry the messages of
+wire, typed msgspec Structs in multipart `[kind, msgpack payload]` frames. The core drains its input
 without blocking while requests run, steps, and sends outputs; when idle it blocks on
 input (waking every second to notice a dead parent). Startup failures come back as a
 FAILED message; a core that dies later is noticed through its process sentinel.
@@ -13,78 +12,38 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from typing import Any
 
-import msgspec
 import zmq
 
 from tokenmill.config import EngineArgs
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.engine.wire import (
+    ABORT,
+    ADD,
+    FAILED,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    UTILITY,
+    UTILITY_METHODS,
+    UTILITY_RESULT,
+    CoreFailed,
+    CoreReady,
+    UtilityCall,
+    UtilityResult,
+    decode,
+    encode,
+)
+from tokenmill.fast_exit import fast_exit
 
 logger = logging.getLogger(__name__)
 
-# message kinds, API process -> core
-ADD, ABORT, UTILITY, SHUTDOWN = b"A", b"X", b"U", b"S"
-# core -> API process
-OUTPUTS, UTILITY_RESULT, READY, FAILED = b"O", b"R", b"Y", b"F"
-
-UTILITY_METHODS = ("reset_prefix_cache",)
 _IDLE_POLL_MS = 1000
 
 
-class AbortRequests(msgspec.Struct, array_like=True):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, array_like=True):
-    call_id: int
-    method: str
-
-
-class UtilityResult(msgspec.Struct, array_like=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-class CoreReady(msgspec.Struct, array_like=True):
-    pid: int
-    num_blocks: int
-    load_seconds: float
-
-
-class CoreFailed(msgspec.Struct, array_like=True):
-    message: str
-
-
-class CoreStep(msgspec.Struct, array_like=True):
-    outputs: EngineCoreOutputs
-    # request id -> time of the step that first scheduled it (queue-time metrics)
-    scheduled: dict[str, float] = msgspec.field(default_factory=dict)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone; no request can be served."""
-
-
-encode = msgspec.msgpack.Encoder().encode
-_DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
-    ADD: msgspec.msgpack.Decoder(list[EngineCoreRequest]), ABORT: msgspec.msgpack.Decoder(AbortRequests),
-    UTILITY: msgspec.msgpack.Decoder(UtilityCall), OUTPUTS: msgspec.msgpack.Decoder(CoreStep),
-    UTILITY_RESULT: msgspec.msgpack.Decoder(UtilityResult), READY: msgspec.msgpack.Decoder(CoreReady),
-    FAILED: msgspec.msgpack.Decoder(CoreFailed),
-}
-
-
-def decode(frames: list[bytes]) -> tuple[bytes, Any]:
-    kind = bytes(frames[0])
-    return kind, (_DECODERS[kind].decode(frames[1]) if kind in _DECODERS else None)
-
-
-# ---- the core process ----------------------------------------------------------------------
 def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_level: str) -> None:
     """Entry point of the core process (spawned). It validates the config itself, so it can
     start before the API process has imported torch and transformers."""
@@ -120,15 +79,7 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
         inp.close(linger=0)
         out.close()
         ctx.term()
-    _fast_exit(code)
-
-
-def _fast_exit(code: int) -> None:
-    """Skips interpreter teardown, which takes seconds with torch loaded; nothing is left to flush."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    fast_exit(code)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -141,7 +92,6 @@ class CoreLoop:
         self.inp = inp
         self.out = out
         self.parent_pid = os.getppid()
-        self.unscheduled: set[str] = set()  # added, not yet scheduled once
         self.stopping = False
 
     def run(self) -> None:
@@ -171,7 +121,6 @@ class CoreLoop:
                 for req in msg:
                     self._add(req)
             elif kind == ABORT:
-                self.unscheduled.difference_update(msg.request_ids)
                 self._send(self.core.abort_requests(msg.request_ids))
             elif kind == UTILITY:
                 self._utility(msg)
@@ -182,7 +131,6 @@ class CoreLoop:
     def _add(self, req: EngineCoreRequest) -> None:
         try:
             self.core.add_request(req)
-            self.unscheduled.add(req.request_id)
         except ValueError as e:  # the front end keeps ids unique; never let one request kill the core
             logger.error("rejected request %s: %s", req.request_id, e)
 
@@ -197,14 +145,7 @@ class CoreLoop:
         self.out.send_multipart([UTILITY_RESULT, encode(result)])
 
     def _step(self) -> None:
-        started = time.time()
-        outputs = self.core.step()
-        scheduled: dict[str, float] = {}
-        if self.unscheduled:
-            waiting = {r.request_id for r in self.core.scheduler.waiting}
-            scheduled = {rid: started for rid in self.unscheduled if rid not in waiting}
-            self.unscheduled.difference_update(scheduled)
-        self._send(outputs, scheduled)
+        self._send(self.core.step())
 
-    def _send(self, outputs: EngineCoreOutputs, scheduled: dict[str, float] | None = None) -> None:
-        self.out.send_multipart([OUTPUTS, encode(CoreStep(outputs, scheduled or {}))], copy=False)
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        self.out.send_multipart([OUTPUTS, encode(outputs)], copy=False)

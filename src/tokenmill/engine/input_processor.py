@@ -1,10 +1,14 @@
-"""Prompts in, validated EngineCoreRequests out: tokenize, check length and vocabulary."""
+"""Prompts in, validated EngineCoreRequests out: tokenize, check length and vocabulary.
+
+check_token_ids and resolve_max_tokens are the one vocabulary check and the one max_tokens rule;
+the OpenAI server calls them too, for what it checks before a request reaches the engine."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,30 @@ class ProcessedPrompt:
 
 
 _PLAIN_FAST_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, name: str) -> None:
+    """Every id must index the vocabulary; the error names `name`, the field that holds them."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} has token id {bad}, out of vocabulary (valid ids are 0..{vocab_size - 1})")
+
+
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, *, must_fit: bool = False,
+                       name: str = "max_tokens") -> int:
+    """The output-token limit of a prompt of prompt_len tokens: None is all the room max_model_len
+    leaves. A limit past that room is an error when must_fit (the OpenAI server, as OpenAI's API does);
+    otherwise generation stops at max_model_len ("length")."""
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if max_tokens < 1:
+        raise ValueError(f"{name} must be at least 1, got {max_tokens}")
+    if must_fit and prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+            "Please reduce the length of the prompt or completion.")
+    return max_tokens
 
 
 def load_tokenizer(path: str) -> Any:
@@ -81,10 +109,7 @@ class InputProcessor:
             raise ValueError("prompt token ids must be a list of integers")
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.config.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{vocab - 1})")
+        check_token_ids(ids, self.config.arch.vocab_size, "the prompt")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.config.max_model_len} "
@@ -95,11 +120,10 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None) -> EngineCoreRequest:
         vocab = self.config.arch.vocab_size
-        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:  # the sampler indexes logits with these ids
-                raise ValueError(f"{name} has token id {bad[0]}, out of vocabulary (valid ids are 0..{vocab - 1})")
-        if params.max_tokens is None:
-            params = params.clone(max_tokens=self.config.max_model_len - len(prompt.prompt_token_ids))
+        check_token_ids(params.logit_bias, vocab, "logit_bias")  # the sampler indexes logits with these
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
+        max_tokens = resolve_max_tokens(len(prompt.prompt_token_ids), params.max_tokens, self.config.max_model_len)
+        if max_tokens != params.max_tokens:
+            params = params.clone(max_tokens=max_tokens)
         return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
                                  arrival_time or time.time(), priority)

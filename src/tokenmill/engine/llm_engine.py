@@ -69,6 +69,7 @@ class LLMEngine:
         core_out = self.core.step()
         if core_out.stats is not None:
             self.stats = core_out.stats
+        self.output_processor.record_scheduled(core_out.scheduled)
         results, to_stop = self.output_processor.process(core_out.outputs)
         if to_stop:
             self.core.abort_requests(to_stop)

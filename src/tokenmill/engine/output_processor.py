@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.core.messages import EngineCoreOutput, PositionLogprobsWire
+from tokenmill.core.messages import EngineCoreOutput, LogprobEntry
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -78,6 +78,20 @@ class OutputProcessor:
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return list(parent.children) if parent else []
+
+    def record_scheduled(self, scheduled: dict[str, float]) -> list[tuple[str, float]]:
+        """Sets first_scheduled_time from the core's (child id -> when it was first scheduled);
+        returns the (request id, time) of the requests that got theirs now."""
+        recorded = []
+        for child_id, when in scheduled.items():
+            request_id = self.child_to_parent.get(child_id)
+            if request_id is None:
+                continue  # finished or aborted meanwhile
+            metrics = self.parents[request_id].metrics
+            if metrics.first_scheduled_time is None:  # n > 1: the first child scheduled
+                metrics.first_scheduled_time = when
+                recorded.append((request_id, when))
+        return recorded
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to publish and the child ids the core must stop
@@ -150,7 +164,7 @@ class OutputProcessor:
         child.finish_reason, child.stop_reason = "stop", s
         return True
 
-    def _logprobs(self, entry: PositionLogprobsWire) -> PositionLogprobs:
+    def _logprobs(self, entry: LogprobEntry) -> PositionLogprobs:
         ids, lps, ranks = entry
         return {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in zip(ids, lps, ranks, strict=False)}
 

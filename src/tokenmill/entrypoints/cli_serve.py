@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config import EngineArgs, default_async_scheduling, resolve_device
+from tokenmill.config import EngineArgs, default_async_scheduling, default_num_threads, resolve_device
+from tokenmill.fast_exit import fast_exit
 
 DEMO_MODEL = os.path.join("models", "tokenmill-demo")
 STARTED_AT = time.time()  # imported while the CLI builds its parser: the reference for "ready in"
 _REPO_ROOT = Path(__file__).resolve().parents[3]
+# CPUs left to the API process (HTTP, tokenization, detokenization) when --num-threads is not given:
+# compute threads that share a CPU with it are descheduled mid-step
+API_PROCESS_CPUS = 1
 
 
 def register(subparsers: Any) -> None:
@@ -72,11 +74,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be positive, got {args.request_timeout}")
     args.model = resolve_model(args.model)
     if args.num_threads is None:
-        # Leave a core to the API process: model threads that share cores with HTTP, tokenization and
-        # detokenization get descheduled mid-step (6.3 vs 85 ms per token measured on 2 busy cores).
-        args.num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+        args.num_threads = default_num_threads(busy_cpus=API_PROCESS_CPUS)
     if args.async_scheduling is None:
-        args.async_scheduling = default_async_scheduling(resolve_device(args.device), args.num_threads, busy_cpus=1)
+        args.async_scheduling = default_async_scheduling(resolve_device(args.device), args.num_threads,
+                                                         busy_cpus=API_PROCESS_CPUS)
     template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     try:
@@ -85,8 +86,4 @@ def run(args: argparse.Namespace) -> int:
         code = 130
     except SystemExit as e:  # SIGTERM, after a graceful stop
         code = e.code if isinstance(e.code, int) else 1
-    # Both processes are down and flushed; skip the interpreter teardown (seconds with torch loaded).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    fast_exit(code)  # both processes are down

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.core.messages import LogprobEntry
 from tokenmill.sampling_params import SamplingParams
-
-LogprobEntry = tuple[list[int], list[float], list[int]]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Runs the OpenAI server: engine core process + AsyncLLM + FastAPI under uvicorn, all in one
 event loop; Ctrl-C / SIGTERM stop uvicorn gracefully, then the core process.
 
-The web stack (FastAPI, uvicorn: ~0.5 s of imports) is imported only after the core process has
+The web stack (FastAPI, uvicorn: slow imports) is imported only after the core process has
 been started, so those imports overlap the core's torch import and model load (cold start)."""
 
 from __future__ import annotations

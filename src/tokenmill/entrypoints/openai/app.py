@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.input_processor import check_token_ids
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -141,9 +142,10 @@ def build_app(ctx: ServerContext, api_key: str | None = None,
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         completions.check_model(req.model)
-        vocab = engine.config.model.arch.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
+        try:
+            check_token_ids(req.tokens, engine.config.model.arch.vocab_size, "tokens")
+        except ValueError as e:
+            raise bad_request(str(e), "tokens") from None
         return JSONResponse(DetokenizeResponse(prompt=str(chat.tokenizer.decode(req.tokens))).model_dump())
 
     @app.post("/reset_prefix_cache")

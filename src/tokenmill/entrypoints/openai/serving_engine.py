@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
-from tokenmill.engine.input_processor import ProcessedPrompt
+from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import SamplingRequest
 from tokenmill.outputs import RequestOutput
@@ -43,7 +43,6 @@ class OpenAIServing:
         self.engine = ctx.engine
         self.tokenizer = ctx.engine.tokenizer
         self.max_model_len = ctx.engine.config.model.max_model_len
-        self.vocab_size = ctx.engine.config.model.arch.vocab_size
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.ctx.model_name and name not in self.ctx.model_aliases:
@@ -57,27 +56,18 @@ class OpenAIServing:
             raise bad_request(str(e), param) from None
 
     def max_tokens(self, prompt_len: int, requested: int | None, param: str = "max_tokens") -> int:
-        if requested is None:
-            return self.max_model_len - prompt_len
-        if requested < 1:
-            raise bad_request(f"{param} must be at least 1, got {requested}", param)
-        if prompt_len + requested > self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
-                "Please reduce the length of the prompt or completion.", param)
-        return requested
+        try:
+            return resolve_max_tokens(prompt_len, requested, self.max_model_len, must_fit=True, name=param)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None, stream: bool = False) -> SamplingParams:
         bias: dict[int, float] = {}
         for key, value in (req.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
-                raise bad_request(f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
-                                  "logit_bias")
-            bias[int(key)] = value
-        if any(not 0 <= t < self.vocab_size for t in req.stop_token_ids or []):
-            raise bad_request(f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
+            if not key.lstrip("-").isdigit():
+                raise bad_request(f"logit_bias keys must be integer token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value  # in the vocabulary: checked by the engine's InputProcessor on submit
         if req.seed is not None and not -_INT64 <= req.seed < _INT64 - req.n:
             raise bad_request("seed must fit in a signed 64-bit integer", "seed")
         try:
@@ -114,7 +104,7 @@ class OpenAIServing:
             if isinstance(e, EngineDeadError):
                 raise engine_dead(e) from None
             if isinstance(e, ValueError):
-                raise bad_request(str(e), "n" if str(e).startswith("n ") else "prompt") from None
+                raise bad_request(str(e), _param_of(e)) from None
             raise
         return streams
 
@@ -140,6 +130,13 @@ class OpenAIServing:
         if watcher in done:
             raise APIError(499, "the client closed the connection", code="client_closed")
         raise timed_out(self.ctx.request_timeout)
+
+
+def _param_of(error: ValueError) -> str:
+    """The request field an engine error is about: its first word when that is a sampling
+    parameter (the engine's messages start with the field), else the prompt."""
+    word = str(error).split(" ", 1)[0]
+    return word if word in SamplingParams.__dataclass_fields__ else "prompt"
 
 
 def timed_out(timeout: float | None) -> APIError:

@@ -1,0 +1,37 @@
+"""AsyncLLM, the server's engine front end, with its engine core in its own process: what a
+RequestOutput carries besides tokens (scheduling times, prefix-cache hits) crosses the wire."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.conftest import random_prompts
+from tests.engine.test_llm_api import assert_queued_after
+from tokenmill import RequestOutput, SamplingParams
+from tokenmill.config import EngineArgs
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.sampling_params import RequestOutputKind
+
+
+def test_queued_request_metrics_and_cached_tokens(llama_dir: str) -> None:
+    args = EngineArgs(llama_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=512, max_num_seqs=1,
+                      block_size=16)
+    a = random_prompts(1, 80, 80, seed=41)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def main() -> tuple[list[RequestOutput], bytes]:
+        engine = await AsyncLLM.from_engine_args(args)
+        try:
+            streams = [engine.add_request(p, params) for p in (a, a + [7])]  # one event-loop turn: one batch
+            outs = []
+            for stream in streams:
+                async for out in stream:
+                    outs.append(out)  # FINAL_ONLY: one output each
+            return outs, engine.metrics.render()
+        finally:
+            await engine.shutdown()
+
+    (out_a, out_b), metrics = asyncio.run(main())
+    assert_queued_after(out_a, out_b)
+    queued = [ln for ln in metrics.decode().splitlines() if ln.startswith("tokenmill:request_queue_time_seconds_count")]
+    assert len(queued) == 1 and float(queued[0].split()[-1]) == 2.0  # observed once per request
