@@ -3,8 +3,8 @@ logit_bias, penalties), greedy argmax, temperature / top-k / top-p / min-p, per-
 generators, raw logprobs, and the verification of draft tokens (spec_decode.rejection_sampler).
 
 Random sampling inverts each row's CDF at one uniform draw, so a seeded request draws exactly
-one number from its own generator per token it takes, whatever else runs. (It drew a [vocab] vector of
-Exp(1) noise before: 0.5 ms a row at a 32k vocabulary on this CPU, an eighth of a batch-1 step.)
+one number from its own generator per token it takes, whatever else runs; a [vocab] vector of noise per
+row would cost more than the inversion (bench/README.md, "Measurements behind the code").
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], 
 
 # top-k / top-p / min-p take the top candidates per row by topk, this many and then (for rows that
 # need more) this many, and sort no further where they provably hold every token that survives; the
-# rows left sort their whole vocabulary (2 ms a row at 32k here, against 0.05 ms for a topk of 256)
+# rows left sort their whole vocabulary, which costs far more than a topk of 256
 FILTER_CANDIDATES = (256, 2048)
 
 
@@ -211,8 +211,8 @@ class Sampler:
         scaled = logits.div_(meta.temperature[:, None])
         if meta.any_filter:
             scaled = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p)
-        # probabilities and their running sums (each full-size pass over 256 rows of a 32k vocabulary
-        # costs 2-8 ms here; a float64 cumsum took 62)
+        # probabilities and their running sums, in float32: each is a full pass over [rows, vocab], and a
+        # float64 cumsum is many times slower
         cdf = scaled.softmax(dim=-1).cumsum_(dim=-1)
         u = torch.rand(len(cdf), 1, device=dev)
         for i, gen in meta.generators:
