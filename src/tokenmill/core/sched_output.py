@@ -65,3 +65,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[LogprobEntry]]] = field(default_factory=dict)
     # per request: draft tokens proposed to follow the ones it took, for the next step to verify
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # per request whose preparation or sampling failed this step: the error (the request ends with it)
+    failed: dict[str, str] = field(default_factory=dict)

@@ -55,6 +55,14 @@ class Scheduler:
         self._enqueue(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        return self._end(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def fail_requests(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """End requests whose step failed, each with its error as the stop reason; their blocks are freed."""
+        return self._end(errors, RequestStatus.FINISHED_ERROR, errors)
+
+    def _end(self, request_ids: Iterable[str], status: RequestStatus,
+             reasons: dict[str, str] | None = None) -> list[EngineCoreOutput]:
         outputs = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -64,8 +72,9 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+            req.stop_reason = reasons.get(rid) if reasons else None
+            self._finish(req, status)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason, stop_reason=req.stop_reason))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -212,7 +221,7 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self.fail_requests(out.failed) if out.failed else []
         sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=False))
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)

@@ -29,7 +29,11 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestFailedError", "RequestStream"]
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not prepare or sample this request (or its step failed); it alone ended."""
 
 
 class QueueFullError(RuntimeError):
@@ -62,6 +66,10 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
+            failure = next((c.stop_reason for c in item.outputs if c.finish_reason == "error"), None)
+            if failure is not None:  # one sequence failed: the request fails, its other sequences end
+                self.abort()
+                raise RequestFailedError(str(failure))
             self.finished = item.finished
             if self.kind == RequestOutputKind.DELTA:
                 return item

@@ -52,31 +52,41 @@ class StepBatch:
 
     def fill_pending_inputs(self) -> None:
         for row, st, pos in self.pending_inputs:
-            self.input_ids[row] = st.token_ids[pos]
+            # a request whose step failed took no token; it is ended, and its row's output is dropped
+            self.input_ids[row] = st.token_ids[pos] if pos < len(st.token_ids) else 0
 
 
 def update_states(states: dict[str, CachedRequestState], so: SchedulerOutput, device: torch.device,
-                  sampling: SamplingTable) -> None:
+                  sampling: SamplingTable, failed: dict[str, str]) -> None:
+    """Apply the scheduler's changes. A new request whose state cannot be built (its sampling
+    parameters break the table, a seed the generator refuses) is recorded in `failed` instead, and
+    left out of this and every later step until the scheduler reports it finished."""
     for rid in so.finished_req_ids:
         states.pop(rid, None)
         sampling.remove(rid)
+        failed.pop(rid, None)
     for new in so.scheduled_new_reqs:
-        gen = None
-        if new.sampling_params.seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(new.sampling_params.seed)
-        st = states[new.req_id] = CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
-            list(new.block_ids), new.num_computed_tokens)
-        sampling.add(new.req_id, SamplingRow(new.sampling_params, st.token_ids, st.num_prompt_tokens,
-                                             sampling.eos_token_ids, gen))
+        try:
+            gen = None
+            if new.sampling_params.seed is not None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(new.sampling_params.seed)
+            st = CachedRequestState(new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids),
+                                    new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+            sampling.add(new.req_id, SamplingRow(new.sampling_params, st.token_ids, st.num_prompt_tokens,
+                                                 sampling.eos_token_ids, gen))
+            states[new.req_id] = st
+        except Exception as e:  # this request's data, not the engine: it alone ends
+            failed[new.req_id] = f"the request could not be prepared: {type(e).__name__}: {e}"
     for cached in so.scheduled_cached_reqs:
-        st = states[cached.req_id]
+        held = states.get(cached.req_id)
+        if held is None:  # failed when it was new
+            continue
         if cached.resumed_from_preemption:
-            st.block_ids = list(cached.new_block_ids)
+            held.block_ids = list(cached.new_block_ids)
         else:
-            st.block_ids.extend(cached.new_block_ids)
-        st.num_computed_tokens = cached.num_computed_tokens
+            held.block_ids.extend(cached.new_block_ids)
+        held.num_computed_tokens = cached.num_computed_tokens
 
 
 def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block_size: int) -> StepBatch:
@@ -98,7 +108,7 @@ def build_step(states: dict[str, CachedRequestState], so: SchedulerOutput, block
     spec = so.scheduled_spec_decode_tokens
     sample_drafts: dict[int, list[int]] = {}
     for i, rid in enumerate(order):
-        st = states[rid]
+        st = states[rid]  # (requests without a state are left out of `so` by the runner)
         n = so.num_scheduled_tokens[rid]
         start = st.num_computed_tokens
         drafts: Sequence[int] = spec.get(rid, ()) if spec else ()  # inputs after the request's own tokens

@@ -4,8 +4,9 @@ path where it applies), samples. The Worker (worker.py) builds it once the KV ca
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,10 +29,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PreparedStep:
-    step: StepBatch
-    meta: AttentionMetadata
+    step: StepBatch | None  # None: every scheduled request failed to prepare
+    meta: AttentionMetadata | None
     rows: OutputRows | None  # the rows whose outputs are used, where that is fewer than all
     sampling: SamplingMetadata | None  # the sampled rows' parameters; None: the step samples nothing
+    failed: dict[str, str] = field(default_factory=dict)  # scheduled requests left out: their errors
 
 
 class ModelRunner:
@@ -49,6 +51,7 @@ class ModelRunner:
         # fault the pool in while idle, each group's tensor; begins after the first step
         self._populate = [BackgroundPopulate(t, block_dim=d) for t, d in kv_caches.groups]
         self.states: dict[str, CachedRequestState] = {}
+        self.failed: dict[str, str] = {}  # requests whose state could not be built, until they finish
         self.eos_token_ids = self.arch.eos_token_ids
         self.sampling = SamplingTable(self.eos_token_ids)  # the states' sampling parameters, one row each
         self.sampler = Sampler(ops)
@@ -73,9 +76,12 @@ class ModelRunner:
         """The step's inputs, built from the states as they are now: for async scheduling this runs while
         the step before is still executing, so a decode row whose token that step samples is left
         pending (StepBatch.pending_inputs) and filled in by execute(). None: nothing to run."""
-        update_states(self.states, so, self.device, self.sampling)
+        update_states(self.states, so, self.device, self.sampling, self.failed)
+        failed = {rid: self.failed[rid] for rid in so.num_scheduled_tokens if rid in self.failed}
+        if failed:
+            so = _without(so, failed)
         if so.total_num_scheduled_tokens == 0:
-            return None
+            return PreparedStep(None, None, None, None, failed) if failed else None
         step = build_step(self.states, so, self.block_size)
         sampling = None
         if step.sample_states:  # gathered here: the next step's prepare may change the table while this runs
@@ -90,18 +96,21 @@ class ModelRunner:
             # only the sampled rows need the last layer's output (prompt logprobs need every row's)
             rows = output_rows(meta, step.logits_indices, step.logits_seqs)
             self.backend.prepare(rows.meta, self.device)
-        return PreparedStep(step, meta, rows, sampling)
+        return PreparedStep(step, meta, rows, sampling, failed)
 
     def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
         """Run a prepared step; steps must execute in the order they were prepared."""
         if prepared is None:
             return ModelRunnerOutput([], [])
+        if prepared.step is None or prepared.meta is None:
+            return ModelRunnerOutput([], [], failed=prepared.failed)
         with contextlib.ExitStack() as stack:
             for populate in self._populate:
                 stack.enter_context(populate.paused())
             out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling)
             if self.proposer is not None and prepared.step.sample_states:
                 out.spec_token_ids = self._propose(prepared.step, out)
+            out.failed = prepared.failed
             return out
 
     @torch.inference_mode()
@@ -159,3 +168,11 @@ class ModelRunner:
         logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(st.token_ids[pos0:pos0 + hidden.shape[0]], device=self.device)
         return topn_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs or 0)
+
+
+def _without(so: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:
+    """The step without these requests (their tokens are not computed)."""
+    tokens = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in failed}
+    spec = {rid: d for rid, d in so.scheduled_spec_decode_tokens.items() if rid not in failed}
+    return dataclasses.replace(so, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                               scheduled_spec_decode_tokens=spec)

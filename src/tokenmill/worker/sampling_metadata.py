@@ -137,12 +137,11 @@ class SamplingTable:
         return len(self.rows)
 
     def add(self, req_id: str, row: SamplingRow) -> None:
+        """Add a request's row; if a value does not fit its array (e.g. a top_k past int64), nothing
+        is added and the error propagates."""
         i = len(self.rows)
         if i == len(self.temperature):
             self._grow()
-        self.index[req_id] = i
-        self.req_ids.append(req_id)
-        self.rows.append(row)
         p = row.params
         self.temperature[i] = p.temperature or 1.0
         self.top_k[i], self.top_p[i], self.min_p[i] = p.top_k, p.top_p, p.min_p
@@ -154,6 +153,9 @@ class SamplingTable:
         self.pending_plain[i] = len(row.token_ids) < plain_from < math.inf
         self.processors[i] = p.min_tokens > 0 or bool(p.logit_bias) or p.needs_penalties
         self.logprobs[i] = -1 if p.logprobs is None else p.logprobs
+        self.index[req_id] = i
+        self.req_ids.append(req_id)
+        self.rows.append(row)
         if self.pending_plain[i]:
             self._pending[req_id] = row
         self._count(i, 1)
