@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill import __version__
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import check_token_ids
+from tokenmill.entrypoints.openai import serving_responses
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -155,4 +156,5 @@ def build_app(ctx: ServerContext, api_key: str | None = None,
         except EngineDeadError as e:
             raise engine_dead(e) from None
 
+    serving_responses.register(app, ctx)
     return app
