@@ -158,7 +158,8 @@ class CoreClient:
                 self._mark_dead(EngineDeadError(f"the engine core failed: {msg.message}"))
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stops the core (SHUTDOWN, then SIGTERM, then SIGKILL) and releases the sockets."""
+        """Stops the core (SHUTDOWN; SIGTERM, which stops a core still loading; then SIGKILL) and releases
+        the sockets."""
         self.dead = self.dead or EngineDeadError("the engine has shut down")
         try:
             if self.proc.is_alive() and self.ready:  # a core still loading cannot read; stop it at once
