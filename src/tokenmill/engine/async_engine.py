@@ -33,9 +33,14 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestStream", "ServerShutdownError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestFailedError", "RequestStream",
+           "ServerShutdownError"]
 
 _INT64 = 2**63  # the wire's integers are signed 64-bit
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not prepare or sample this request (or its step failed); it alone ended."""
 
 
 class QueueFullError(RuntimeError):
@@ -73,6 +78,10 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
+            failure = next((c.stop_reason for c in item.outputs if c.finish_reason == "error"), None)
+            if failure is not None:  # one sequence failed: the request fails, its other sequences end
+                self.abort()
+                raise RequestFailedError(str(failure))
             self.finished = item.finished
             if self.kind == RequestOutputKind.DELTA:
                 return item

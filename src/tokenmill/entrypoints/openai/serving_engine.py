@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import SamplingRequest
@@ -127,6 +127,8 @@ class OpenAIServing:
                 return task.result()
             except EngineDeadError as e:
                 raise engine_dead(e) from None
+            except RequestFailedError as e:
+                raise request_failed(e) from None
         if watcher in done:
             raise APIError(499, "the client closed the connection", code="client_closed")
         raise timed_out(self.ctx.request_timeout)
@@ -137,6 +139,11 @@ def _param_of(error: ValueError) -> str:
     parameter (the engine's messages start with the field), else the prompt."""
     word = str(error).split(" ", 1)[0]
     return word if word in SamplingParams.__dataclass_fields__ else "prompt"
+
+
+def request_failed(error: RequestFailedError) -> APIError:
+    """The engine failed this request alone (a bug, not the input): a 500 that says so."""
+    return APIError(500, f"the engine failed this request: {error}", type="server_error", code="request_failed")
 
 
 def timed_out(timeout: float | None) -> APIError:
@@ -209,6 +216,8 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
         error = e
     except EngineDeadError as e:
         error = engine_dead(e)
+    except RequestFailedError as e:
+        error = request_failed(e)
     if error is not None:
         yield sse(error.body().model_dump_json())
     yield sse("[DONE]")
