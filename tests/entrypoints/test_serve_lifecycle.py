@@ -183,3 +183,22 @@ def test_sigterm_ends_what_outlasts_the_shutdown_timeout(llama_dir: str) -> None
         assert time.monotonic() - signalled < 10
     finally:
         srv.stop()
+
+
+def test_a_second_signal_ends_the_drain_at_once(llama_dir: str) -> None:
+    """A second SIGTERM / Ctrl-C does not wait for --shutdown-timeout: the requests end now, exit 3."""
+    srv = RemoteServer(llama_dir, "--shutdown-timeout", "60")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            with core_frozen(srv):
+                plain = pool.submit(post, srv, LONG)
+                wait_for(lambda: in_flight(srv) == 1, 10, "the request never reached the server")
+                srv.proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 503, 5, "/health never turned 503")
+                srv.proc.send_signal(signal.SIGINT)  # Ctrl-C, the second time
+                r = plain.result(10)
+                assert_503(r)
+                assert "second stop signal" in r.json()["error"]["message"]
+        assert exit_code(srv, 15) == 3
+    finally:
+        srv.stop()

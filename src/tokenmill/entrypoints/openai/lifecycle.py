@@ -85,8 +85,9 @@ class ServerLifecycle:
             logger.warning("ending %d requests still in flight", self.engine.num_unfinished_requests)
             if self.exit_code == EXIT_OK:
                 self.exit_code = EXIT_REQUESTS_CUT
-            self.engine.end_all(ServerShutdownError(
-                f"the server shut down before the request finished (--shutdown-timeout {self.shutdown_timeout:g}s)"))
+            why = ("a second stop signal" if self._force.is_set()
+                   else f"--shutdown-timeout {self.shutdown_timeout:g}s")
+            self.engine.end_all(ServerShutdownError(f"the server shut down before the request finished ({why})"))
             await self._wait_idle(CLOSE_GRACE)
         self._stop_server()
 
