@@ -481,8 +481,14 @@ def test_random_workloads_finish_correctly_without_leaks(
     workload: tuple[dict[str, int], list[tuple[int, list[int], int, int]]],
 ) -> None:
     cfg, reqs = workload
+    run_workload(cfg, reqs, FakeRunner(cfg["block_size"]))
+
+
+def run_workload(cfg: dict[str, int], reqs: list[tuple[int, list[int], int, int]], runner: FakeRunner,
+                 after_step: Callable[[Scheduler], None] | None = None) -> Scheduler:
+    """Requests (arrival step, prompt, max_tokens, priority) through a scheduler built from cfg until all
+    finish: each with the reference's tokens, by length, and every block free at the end."""
     sched = make_scheduler(**cfg)
-    runner = FakeRunner(cfg["block_size"])
     results: dict[str, Result] = {}
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     for t in range(5000):
@@ -492,6 +498,8 @@ def test_random_workloads_finish_correctly_without_leaks(
         if not pending and not sched.has_unfinished_requests():
             break
         step(sched, runner, results)
+        if after_step is not None:
+            after_step(sched)
     assert not pending and not sched.has_unfinished_requests()
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix hits: {sched.stats().prefix_cache_hits > 0}")
@@ -499,3 +507,4 @@ def test_random_workloads_finish_correctly_without_leaks(
         assert results[f"r{i}"].token_ids == reference(prompt, max_tokens, cfg["max_model_len"])
         assert results[f"r{i}"].finish_reason == "length"
     assert_all_free(sched)
+    return sched

@@ -29,6 +29,7 @@ from .test_scheduler import (
     make_request,
     make_scheduler,
     reference,
+    run_workload,
     scripted,
     step,
     workloads,
@@ -191,26 +192,9 @@ def test_random_workloads_with_drafts_finish_correctly_without_leaks(
     workload: tuple[dict[str, int], list[tuple[int, list[int], int, int]]], proposer: str, k: int,
 ) -> None:
     cfg, reqs = workload
-    sched = make_scheduler(**cfg)
     runner = FakeRunner(cfg["block_size"], propose=PROPOSERS[proposer](k))
-    results: dict[str, Result] = {}
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
-    for t in range(5000):
-        while pending and pending[0][1][0] <= t:
-            i, (_, prompt, max_tokens, priority) = pending.pop(0)
-            sched.add_request(make_request(f"r{i}", prompt, float(i), priority, max_tokens=max_tokens))
-        if not pending and not sched.has_unfinished_requests():
-            break
-        step(sched, runner, results)
-        assert_cache_holds_its_tokens(sched, runner)
-    assert not pending and not sched.has_unfinished_requests()
-    event(f"preempted: {sched.num_preemptions > 0}")
-    event(f"prefix hits: {sched.stats().prefix_cache_hits > 0}")
+    run_workload(cfg, reqs, runner, after_step=lambda sched: assert_cache_holds_its_tokens(sched, runner))
     event(f"drafts: {any(so.scheduled_spec_decode_tokens for so in runner.outputs)}")
-    for i, (_, prompt, max_tokens, _) in enumerate(reqs):
-        assert results[f"r{i}"].token_ids == reference(prompt, max_tokens, cfg["max_model_len"])
-        assert results[f"r{i}"].finish_reason == "length"
-    assert_all_free(sched)
 
 
 def test_drafts_need_sync_scheduling_in_the_scheduler() -> None:
