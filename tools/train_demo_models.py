@@ -3,7 +3,7 @@
 Usage (from the repository root; this is exactly how the shipped checkpoints were made)::
 
     .venv/bin/python tools/train_demo_models.py                                  # full run -> models/
-    .venv/bin/python tools/train_demo_models.py --quick --out-dir /tmp/demo-quick   # ~3 min smoke run
+    .venv/bin/python tools/train_demo_models.py --quick --out-dir /tmp/demo-quick   # smoke run
 
 Single-threaded CPU training is deterministic: two runs give bit-identical checkpoints.
 
@@ -24,13 +24,10 @@ Hyper-parameters (defaults = the shipped models)
     training   target: 600 steps of 8 x 512 tokens, peak LR 1e-3; draft: 800 steps of 4 x 512
                tokens, peak LR 2e-3.  Both: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices),
                50 warm-up steps then cosine decay to 10%, grad clip 1.0, fp32 master weights with
-               bfloat16 autocast, one CPU thread, seed 1234 (draft: 1235).  Throughput on one
-               AMD EPYC core: ~1500 (target) / ~5200 (draft) tokens/s, i.e. ~27 + 5 minutes
-               of training, ~34 minutes for the whole script when the core is not shared.
-               (Shapes, learning rates and batch sizes were picked by a small sweep at equal
-               token budgets, 28 short runs of this same code on a GPU: the 4-layer 512-wide
-               target beat an 8-layer 384-wide one, the target preferred 8 x 512 batches and
-               LR 1e-3, the draft 4 x 512 batches and LR 2e-3 to 3e-3.)
+               bfloat16 autocast, one CPU thread, seed 1234 (draft: 1235).  (Shapes, learning
+               rates and batch sizes were picked by a small sweep of this same code at equal
+               token budgets; its results and the script's running time are in bench/README.md,
+               'Measurements behind the code'.)
     evaluation held-out perplexity = exp(mean next-token NLL) over the running text of the two
                held-out plays, each followed by <|end|>, concatenated and cut into non-overlapping
                512-token windows (every token but a window's first is predicted); computed from

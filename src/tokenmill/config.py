@@ -244,11 +244,22 @@ def _gpu_device_nodes() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
+# the dtypes a checkpoint's config.json may name for "auto" to run it in (torch's aliases included)
+_CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+                      "float": "float32"}
+
+
 def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if dtype == "auto":
-        dtype = arch.dtype if arch.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+        if arch.dtype is None:
+            dtype = "bfloat16"
+        elif isinstance(arch.dtype, str) and arch.dtype in _CHECKPOINT_DTYPES:
+            dtype = _CHECKPOINT_DTYPES[arch.dtype]
+        else:
+            raise ValueError(f"the checkpoint's config.json gives dtype {arch.dtype!r}, which tokenmill does not "
+                             "know; set --dtype (dtype=) to bfloat16, float16 or float32 to run it in that")
         if dtype == "float16" and device == "cpu":
             dtype = "bfloat16"  # fp16 matmul is orders of magnitude slower than bf16 on CPUs
     return dtype

@@ -41,21 +41,28 @@ class WorkerState:
     num_computed_tokens: int  # run so far
     scheduled_through: int = 0  # prepared so far (ahead of num_computed_tokens with a step in flight)
     samples_in_flight: int = 0  # prepared steps not run yet that sample a token for this request
+    reserved: int = 0  # the most tokens given slots since it (re)started: rejected drafts keep theirs
+
+
+Proposer = Callable[[str, list[int]], list[int]]  # (request id, its tokens) -> draft tokens to follow
 
 
 @dataclass
 class PreparedStep:
     so: SchedulerOutput
-    rows: list[tuple[str, WorkerState, int, int]]  # (request id, state, start, n)
+    rows: list[tuple[str, WorkerState, int, int, list[int]]]  # (request id, state, start, n, drafts)
 
 
 class FakeRunner:
     """execute() = run(prepare()); the async engine core prepares a step while the one before it
-    has not run yet, as the real runner's prepare/execute do."""
+    has not run yet, as the real runner's prepare/execute do. Draft tokens are verified greedily
+    against the model (accepted while they are its next token) and `propose` makes new ones."""
 
-    def __init__(self, block_size: int, next_token: Callable[[str, list[int]], int] | None = None) -> None:
+    def __init__(self, block_size: int, next_token: Callable[[str, list[int]], int] | None = None,
+                 propose: Proposer | None = None) -> None:
         self.block_size = block_size
         self.next_token = next_token or (lambda rid, tokens: hash_model(tokens))
+        self.propose = propose
         self.states: dict[str, WorkerState] = {}
         self.memory: dict[tuple[int, int], tuple[int, int]] = {}  # (block, offset) -> (position, token)
         self.outputs: list[SchedulerOutput] = []
@@ -76,6 +83,7 @@ class FakeRunner:
             st_ = self.states[cached.req_id]
             if cached.resumed_from_preemption:
                 st_.block_ids = list(cached.new_block_ids)
+                st_.reserved = 0
             else:
                 assert st_.scheduled_through == cached.num_computed_tokens
                 st_.block_ids.extend(cached.new_block_ids)
@@ -83,42 +91,58 @@ class FakeRunner:
         scheduled = set(so.num_scheduled_tokens)
         assert {r.req_id for r in so.scheduled_new_reqs} <= scheduled
         assert {r.req_id for r in so.scheduled_cached_reqs} <= scheduled
+        assert set(so.scheduled_spec_decode_tokens) <= scheduled
         rows = []
         for rid, n in so.num_scheduled_tokens.items():
             st_ = self.states[rid]
             start = st_.scheduled_through
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            end = start + n - len(drafts)  # of the request's own tokens
             # the only input not known yet is the token the step in flight samples for this request
-            assert start + n <= len(st_.token_ids) + st_.samples_in_flight and st_.samples_in_flight <= 1
-            assert len(st_.block_ids) == -(-(start + n) // self.block_size), "block table not tight"
-            if start + n >= len(st_.token_ids) + st_.samples_in_flight:
+            assert end <= len(st_.token_ids) + st_.samples_in_flight and st_.samples_in_flight <= 1
+            assert not drafts or (end == len(st_.token_ids) and not st_.samples_in_flight), "drafts not last"
+            st_.reserved = max(st_.reserved, start + n)
+            assert len(st_.block_ids) == -(-st_.reserved // self.block_size), "block table not tight"
+            if end >= len(st_.token_ids) + st_.samples_in_flight:
                 st_.samples_in_flight += 1
             st_.scheduled_through = start + n
-            rows.append((rid, st_, start, n))
+            rows.append((rid, st_, start, n, drafts))
         return PreparedStep(so, rows)
 
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
-        req_ids, sampled = [], []
-        for rid, st_, start, n in step.rows:
-            req_ids.append(rid)
-            sampled.append(self._run(rid, st_, start, n))
-        return ModelRunnerOutput(req_ids, sampled)
+        out = ModelRunnerOutput([], [])
+        for rid, st_, start, n, drafts in step.rows:
+            out.req_ids.append(rid)
+            out.sampled_token_ids.append(self._run(rid, st_, start, n, drafts))
+            if out.sampled_token_ids[-1] and self.propose is not None:
+                out.spec_token_ids[rid] = self.propose(rid, list(st_.token_ids))
+        return out
 
     def _slot(self, st_: WorkerState, p: int) -> tuple[int, int]:
         return st_.block_ids[p // self.block_size], p % self.block_size
 
-    def _run(self, rid: str, st_: WorkerState, start: int, n: int) -> list[int]:
-        assert n >= 1 and start + n <= len(st_.token_ids)
+    def _run(self, rid: str, st_: WorkerState, start: int, n: int, drafts: list[int]) -> list[int]:
+        end = start + n - len(drafts)
+        assert n >= 1 and end <= len(st_.token_ids)
         for p in range(start):  # attention reads the whole context
             assert self.memory.get(self._slot(st_, p)) == (p, st_.token_ids[p]), (rid, p)
+        inputs = st_.token_ids[start:end] + drafts
         for p in range(start, start + n):
-            self.memory[self._slot(st_, p)] = (p, st_.token_ids[p])
+            self.memory[self._slot(st_, p)] = (p, inputs[p - start])
         st_.num_computed_tokens = start + n
-        if st_.num_computed_tokens < len(st_.token_ids):
+        if end < len(st_.token_ids):
             return []  # a prefill chunk short of the end samples nothing
         st_.samples_in_flight -= 1
-        tok = self.next_token(rid, st_.token_ids)
-        st_.token_ids.append(tok)
-        return [tok]
+        taken: list[int] = []
+        for j in range(len(drafts) + 1):  # verify: accept each draft that is the model's next token
+            taken.append(self.next_token(rid, st_.token_ids + taken))
+            if j == len(drafts) or taken[-1] != drafts[j]:
+                break
+        rejected = len(drafts) + 1 - len(taken)
+        st_.num_computed_tokens -= rejected
+        st_.scheduled_through -= rejected
+        st_.token_ids.extend(taken)
+        return taken
 
 
 @dataclass
@@ -457,8 +481,14 @@ def test_random_workloads_finish_correctly_without_leaks(
     workload: tuple[dict[str, int], list[tuple[int, list[int], int, int]]],
 ) -> None:
     cfg, reqs = workload
+    run_workload(cfg, reqs, FakeRunner(cfg["block_size"]))
+
+
+def run_workload(cfg: dict[str, int], reqs: list[tuple[int, list[int], int, int]], runner: FakeRunner,
+                 after_step: Callable[[Scheduler], None] | None = None) -> Scheduler:
+    """Requests (arrival step, prompt, max_tokens, priority) through a scheduler built from cfg until all
+    finish: each with the reference's tokens, by length, and every block free at the end."""
     sched = make_scheduler(**cfg)
-    runner = FakeRunner(cfg["block_size"])
     results: dict[str, Result] = {}
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     for t in range(5000):
@@ -468,6 +498,8 @@ def test_random_workloads_finish_correctly_without_leaks(
         if not pending and not sched.has_unfinished_requests():
             break
         step(sched, runner, results)
+        if after_step is not None:
+            after_step(sched)
     assert not pending and not sched.has_unfinished_requests()
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix hits: {sched.stats().prefix_cache_hits > 0}")
@@ -475,3 +507,4 @@ def test_random_workloads_finish_correctly_without_leaks(
         assert results[f"r{i}"].token_ids == reference(prompt, max_tokens, cfg["max_model_len"])
         assert results[f"r{i}"].finish_reason == "length"
     assert_all_free(sched)
+    return sched

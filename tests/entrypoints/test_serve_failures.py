@@ -1,6 +1,6 @@
 """Failures end cleanly: a core that cannot load its model fails the launch with a clear error;
-a request past --request-timeout is aborted; a killed core turns /health to 503 within
-seconds and ends in-flight requests with an error; SIGTERM stops both processes."""
+a request past --request-timeout is aborted; SIGTERM stops both processes. (A killed core and
+SIGTERM with requests in flight: test_serve_lifecycle.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 
 from tests.entrypoints.server import RemoteServer
@@ -55,38 +54,18 @@ def test_request_timeout_aborts(server: RemoteServer) -> None:
 
 
 def running(http: httpx.Client) -> float:
-    line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith("tokenmill:num_requests_running{"))
-    return float(line.split()[-1])
-
-
-def test_killed_core_turns_health_503(server: RemoteServer) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
-    stream = client.completions.create(model=client.models.list().data[0].id, prompt="x", max_tokens=400,
-                                       stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))
-    os.kill(server.core_pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(openai.APIError):
-        for _ in stream:
-            pass
-    while httpx.get(f"{server.url}/health").status_code != 503:
-        assert time.monotonic() - started < 5
-        time.sleep(0.1)
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-
-
-def test_stop_with_dead_core_is_clean(server: RemoteServer) -> None:
-    assert server.stop() is not None
+    """Sequences running, as the core last reported; unknown (inf) before its first report."""
+    lines = [x for x in http.get("/metrics").text.splitlines() if x.startswith("tokenmill:num_requests_running{")]
+    return float(lines[0].split()[-1]) if lines else float("inf")
 
 
 def test_sigterm_to_the_whole_process_group_stops_promptly(llama_dir: str) -> None:
     """What systemd (KillMode=control-group) or `kill -TERM -PGID` does: the core gets SIGTERM with
-    the API process and exits first; the API process's shutdown must not wait on it forever."""
+    the API process, leaves its end to the API process (which drains first), and both stop, with 0."""
     srv = RemoteServer(llama_dir)
     try:
         os.killpg(srv.proc.pid, signal.SIGTERM)  # the server runs in its own session
-        srv.proc.wait(20)
+        assert srv.proc.wait(20) == 0
         assert not srv.core_alive()
     finally:
         srv.stop()

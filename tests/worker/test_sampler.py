@@ -18,12 +18,11 @@ from tokenmill.worker import sampler as sampler_module
 from tokenmill.worker.sampler import (
     FILTER_CANDIDATES,
     Sampler,
-    SamplingRow,
     apply_logit_processors,
     filter_logits,
     filter_logits_sorted,
-    is_plain_greedy,
 )
+from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingRow, is_plain_greedy, metadata_for
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005]  # sorted, so token i has rank i + 1
 LOGITS = [math.log(p) for p in PROBS]
@@ -38,6 +37,11 @@ def row(params: SamplingParams, prompt: list[int] | None = None, output: list[in
         generator: torch.Generator | None = None) -> SamplingRow:
     prompt = prompt or []
     return SamplingRow(params, prompt + (output or []), len(prompt), (EOS,), generator)
+
+
+def tokens(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Each row's token (one request a row, no drafts)."""
+    return [t for (t,) in sampler(logits, metadata_for(rows)).token_ids]
 
 
 # ---- seeded reproducibility ------------------------------------------------------------------
@@ -71,7 +75,7 @@ def test_seeded_rows_draw_from_their_own_generator() -> None:
         for _ in range(50):
             rows = [row(SamplingParams(temperature=1.0)) for _ in range(others)]
             rows.insert(position, row(params, generator=gen))
-            out.append(Sampler()(logits[:len(rows)], rows).token_ids[position])
+            out.append(tokens(Sampler(), logits[:len(rows)], rows)[position])
         return out
 
     assert draw(0, 0) == draw(3, 0) == draw(3, 2)
@@ -93,7 +97,7 @@ def allowed(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
 def sample_many(params: SamplingParams, n: int = 4000) -> list[int]:
     torch.manual_seed(0)
     logits = torch.tensor([LOGITS] * n)
-    return Sampler()(logits, [row(params)] * n).token_ids
+    return tokens(Sampler(), logits, [row(params)] * n)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +134,7 @@ def test_unfiltered_sampling_follows_the_tempered_distribution(temperature: floa
 def test_greedy_ignores_filters_and_noise() -> None:
     logits = torch.tensor([LOGITS[::-1], LOGITS])
     params = SamplingParams(temperature=0.0, top_k=3, top_p=0.1, min_p=0.9)
-    assert Sampler()(logits, [row(params), row(params)]).token_ids == [7, 0]
+    assert tokens(Sampler(), logits, [row(params), row(params)]) == [7, 0]
 
 
 def big_vocab_logits(rows: int, vocab: int, sharpness: float, seed: int) -> torch.Tensor:
@@ -191,7 +195,7 @@ def test_sampling_over_a_large_vocab_keeps_to_the_filtered_set_and_its_distribut
     logits = torch.full((vocab,), -30.0)
     logits[[5, 17, 2999]] = torch.tensor([math.log(0.5), math.log(0.3), math.log(0.2)])  # ~all the mass
     rows = [row(SamplingParams(temperature=1.0, top_p=0.75))] * n
-    drawn = Sampler()(logits.expand(n, vocab).clone(), rows).token_ids
+    drawn = tokens(Sampler(), logits.expand(n, vocab).clone(), rows)
     assert set(drawn) == {5, 17}  # top-p 0.75 keeps 0.5 and 0.3: nothing else, ever
     assert abs(drawn.count(5) / n - 0.5 / 0.8) < 0.03
 
@@ -257,9 +261,9 @@ def test_no_penalty_leaves_logits_untouched() -> None:
 def test_penalties_change_the_greedy_choice() -> None:
     logits = torch.tensor([BASE])
     params = SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)
-    assert Sampler()(logits.clone(), [row(SamplingParams(temperature=0.0), PROMPT, OUTPUT)]).token_ids == [8]
-    assert Sampler()(logits.clone(), [row(params, PROMPT, OUTPUT)]).token_ids == [4]
-    assert Sampler()(logits.clone(), [row(params, PROMPT, [4, 4])]).token_ids == [8]
+    assert tokens(Sampler(), logits.clone(), [row(SamplingParams(temperature=0.0), PROMPT, OUTPUT)]) == [8]
+    assert tokens(Sampler(), logits.clone(), [row(params, PROMPT, OUTPUT)]) == [4]
+    assert tokens(Sampler(), logits.clone(), [row(params, PROMPT, [4, 4])]) == [8]
 
 
 # ---- min_tokens ------------------------------------------------------------------------------
@@ -356,11 +360,10 @@ def test_bf16_argmax_fast_path_matches_torch() -> None:
     logits[4] = -1e30
     assert ops.argmax_rows(logits).tolist() == logits.float().argmax(dim=-1).tolist()
     rows = [row(SamplingParams(temperature=0.0)) for _ in range(9)]
-    fast, ref = Sampler(ops)(logits, rows), Sampler()(logits, rows)
-    assert fast.token_ids == ref.token_ids
+    assert tokens(Sampler(ops), logits, rows) == tokens(Sampler(), logits, rows)
     # anything beyond plain greedy (here logprobs) takes the reference path
     rows[0] = row(SamplingParams(temperature=0.0, logprobs=2))
-    assert Sampler(ops)(logits, rows).logprobs[0] is not None
+    assert Sampler(ops)(logits, metadata_for(rows)).logprobs[0] is not None
 
 
 def test_plain_greedy_from_matches_what_plain_greedy_means() -> None:
@@ -386,9 +389,9 @@ def test_runner_samples_by_argmax_alone_only_while_every_row_is_plain_greedy(
     calls: list[int] = []
     full_sampler = Sampler.__call__
 
-    def spy(self: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> Any:
-        calls.append(len(rows))
-        return full_sampler(self, logits, rows)
+    def spy(self: Sampler, logits: torch.Tensor, meta: SamplingMetadata) -> Any:
+        calls.append(meta.num_rows)
+        return full_sampler(self, logits, meta)
 
     monkeypatch.setattr(Sampler, "__call__", spy)
     prompts = random_prompts(2, 8, 8, seed=6)

@@ -34,8 +34,8 @@ class OutputRows:
 
     Every layer writes every row's keys and values to the cache, but only these rows need the last
     layer's attention output, its o_proj and MLP, and the final norm: in a prefill chunk that is one
-    row at most, so the others' share of the last layer (~11% of a prefill's projection FLOPs in an
-    8-layer model) is skipped. Each row attends as a single query at its own position over the same
+    row at most, so the others' share of the last layer (its attention output, o_proj, MLP and final
+    norm) is skipped. Each row attends as a single query at its own position over the same
     cache, so the rows are a step of decodes: `meta`, prepared by the backend like any step's."""
 
     index: torch.Tensor  # [R] long: flat-batch rows, in the order their outputs are wanted
@@ -81,7 +81,7 @@ class AttentionBackend(Protocol):
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values at their slots (before any attention reads them)."""
-    # index_put_ over unique slots: 6x faster than index_copy_ for decode-sized batches on CPU
+    # index_put_ over unique slots: faster than index_copy_ for decode-sized batches on CPU
     k_cache.view(-1, *k_cache.shape[2:]).index_put_((slot_mapping,), k)
     v_cache.view(-1, *v_cache.shape[2:]).index_put_((slot_mapping,), v)
 

@@ -19,8 +19,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, write_kv
 from tokenmill.kernels import load_cpu_kernels
 
-# SDPA kernels for CUDA: not cuDNN's, which builds a plan for each new shape (45-72 ms apiece on an
-# H100) and so spent ~35 s of a 256-request run's first pass on prompts of new lengths
+# SDPA kernels for CUDA: not cuDNN's, which builds a costly plan for each new shape, so that a first pass
+# over prompts of many lengths would spend most of its time planning (bench/README.md, 'Measurements
+# behind the code')
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

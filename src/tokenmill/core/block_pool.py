@@ -4,7 +4,7 @@ A free block that holds cached KV keeps its hash until it is handed out again: s
 an LRU, oldest first, and allocation evicts from its front only when no blank block is left.
 Blank free blocks (no cached content) are handed out most recently freed first, so a working
 set of memory that has been written before is reused before memory the OS has never backed
-(a first write to a fresh page costs a page fault: ~5% of an offline run here).
+(a first write to a fresh page costs a page fault; bench/README.md, "Measurements behind the code").
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # preparing or sampling it failed; the engine goes on with the others
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -60,6 +62,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
+        self.spec_token_ids: list[int] = []  # draft tokens proposed to follow, for the next step to verify
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -36,6 +40,12 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
+    # draft tokens scheduled as extra inputs after a request's last token (counted in
+    # num_scheduled_tokens): the step verifies them and samples one more
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # the constrained requests that sample this step: int32 [1 + drafts, words] token bitmasks
+    # (core/structured_output.py has the layout)
+    grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -44,8 +54,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request (in `req_ids` order): the tokens sampled this step (empty for a
-    prefill chunk that does not reach the end of the known tokens)."""
+    """Per scheduled request (in `req_ids` order): the tokens it took this step, empty for a prefill
+    chunk that does not reach the end of the known tokens, else its accepted drafts and one more."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -53,3 +63,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
     # per request: (first position, one entry per position from there)
     prompt_logprobs: dict[str, tuple[int, list[LogprobEntry]]] = field(default_factory=dict)
+    # per request: draft tokens proposed to follow the ones it took, for the next step to verify
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # per request whose preparation or sampling failed this step: the error (the request ends with it)
+    failed: dict[str, str] = field(default_factory=dict)

@@ -1,5 +1,10 @@
 """Iteration-level scheduler: each step one flat batch of decodes and prefill chunks under a
-token budget and a sequence cap; recompute preemption when the KV pool runs out."""
+token budget and a sequence cap; recompute preemption when the KV pool runs out.
+
+Speculative decoding: a request's draft tokens (proposed by the workers with the step before's
+output) are scheduled as extra inputs after its last token, and the workers return the drafts they
+accepted and one more token; the KV of the rejected ones is rolled back before blocks are cached.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from tokenmill.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from tokenmill.core.structured_output import NoStructuredOutput, StructuredOutput
 
 
 class Scheduler:
@@ -32,6 +38,16 @@ class Scheduler:
         self._preempted_since_seen: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0  # steps that ran any token, cumulative
+        self.structured_output: StructuredOutput = NoStructuredOutput()
+        self._structured = False  # a manager other than the no-op is set: ask it and tell it
+
+    def set_structured_output(self, manager: StructuredOutput) -> None:
+        # a step's bitmasks follow the tokens taken before it: async scheduling builds a step before
+        # the one ahead of it has returned its tokens
+        if self.config.async_scheduling:
+            raise ValueError("structured output needs async_scheduling off")
+        self.structured_output = manager
+        self._structured = not isinstance(manager, NoStructuredOutput)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -39,6 +55,14 @@ class Scheduler:
         self._enqueue(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        return self._end(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def fail_requests(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """End requests whose step failed, each with its error as the stop reason; their blocks are freed."""
+        return self._end(errors, RequestStatus.FINISHED_ERROR, errors)
+
+    def _end(self, request_ids: Iterable[str], status: RequestStatus,
+             reasons: dict[str, str] | None = None) -> list[EngineCoreOutput]:
         outputs = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -48,8 +72,9 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+            req.stop_reason = reasons.get(rid) if reasons else None
+            self._finish(req, status)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason, stop_reason=req.stop_reason))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -70,11 +95,16 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
+        spec: dict[str, list[int]] = {}
+        sampling: list[Request] = []  # the requests whose tokens this step reaches the end of
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
-                    self.max_model_len - req.num_computed_tokens)
+            if req.spec_token_ids:
+                n, drafts = self._with_drafts(req, budget)
+            else:
+                n, drafts = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
+                                self.max_model_len - req.num_computed_tokens), None
             if n <= 0 or (req.num_output_placeholders and self._ends_with_placeholders(req)):
                 i += 1
                 continue
@@ -90,8 +120,12 @@ class Scheduler:
                 continue  # req itself was preempted; self.running shrank at index i
             num_scheduled[req.request_id] = n
             budget -= n
+            if drafts:
+                spec[req.request_id] = drafts
+            if req.spec_token_ids:
+                req.spec_token_ids = []  # scheduled, or cut: the step's output brings new ones
             cached_reqs.append(self._cached_data(req, new_block_ids))
-            self._advance(req, n)
+            self._advance(req, n, sampling)
             i += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -119,21 +153,38 @@ class Scheduler:
                 self._seen_by_workers.add(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                                                block_ids, num_computed))
-            self._advance(req, n)
+            self._advance(req, n, sampling)
 
         finished, self._finished_ids = self._finished_ids, set()
         if budget < self.config.max_num_batched_tokens:
             self.num_steps += 1
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                               self.config.max_num_batched_tokens - budget, finished)
+        bitmasks = self.structured_output.grammar_bitmask(sampling, spec) if self._structured and sampling else {}
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, self.config.max_num_batched_tokens - budget,
+                               finished, spec, bitmasks)
+
+    def _with_drafts(self, req: Request, budget: int) -> tuple[int, list[int]]:
+        """The tokens to compute for a running request with proposals, and the drafts among them:
+        they follow its last token, as many as the budget leaves and as could still be taken (all of
+        them and one more within max_tokens and max_model_len)."""
+        remaining = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+        drafts: list[int] = []
+        if not req.num_output_placeholders:  # with a step in flight they would not follow its last token
+            room = self.max_model_len - req.num_tokens - 1
+            if req.sampling_params.max_tokens is not None:
+                room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
+            drafts = req.spec_token_ids[:max(room, 0)]
+        n = min(remaining + len(drafts), budget, self.max_model_len - req.num_computed_tokens)
+        return n, drafts[:max(n - remaining, 0)]
 
     @staticmethod
-    def _advance(req: Request, n: int) -> None:
+    def _advance(req: Request, n: int, sampling: list[Request]) -> None:
         """Count the n scheduled tokens as computed now, so that the next step can be scheduled before
-        this one's output is in; a chunk that reaches the last token will sample one more."""
+        this one's output is in; a chunk that reaches the last token will sample one more (and req
+        joins `sampling`)."""
         req.num_computed_tokens += n
         if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
             req.num_output_placeholders += 1
+            sampling.append(req)
 
     def _ends_with_placeholders(self, req: Request) -> bool:
         """Whether the tokens in flight already take req to max_tokens or max_model_len, so that
@@ -160,6 +211,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -169,7 +221,7 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self.fail_requests(out.failed) if out.failed else []
         sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=False))
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -180,16 +232,24 @@ class Scheduler:
                 req.num_output_placeholders -= 1
             was_running = req.status == RequestStatus.RUNNING  # else preempted while this step ran
             if was_running:
+                drafts = sched.scheduled_spec_decode_tokens.get(rid)
+                if drafts and new_tokens:  # the rejected drafts' KV is not the sequence's: not computed
+                    req.num_computed_tokens -= len(drafts) + 1 - len(new_tokens)
                 self.kv.cache_full_blocks(req)
             prompt_lp = out.prompt_logprobs.get(rid)
             if not new_tokens and prompt_lp is None:
                 continue
             for k, tok in enumerate(new_tokens):
                 req.append_output_token(tok)
-                if self._check_stop(req, tok):
+                if self._check_stop(req, tok):  # where one token at a time would have stopped
                     new_tokens = new_tokens[:k + 1]
                     break
-            output = EngineCoreOutput(rid, new_tokens, new_logprobs=out.logprobs.get(rid),
+            if new_tokens and self._structured:
+                self.structured_output.accept_tokens(req, new_tokens)
+            if out.spec_token_ids and was_running and not req.is_finished:
+                req.spec_token_ids = out.spec_token_ids.get(rid, [])
+            logprobs = out.logprobs.get(rid)
+            output = EngineCoreOutput(rid, new_tokens, new_logprobs=logprobs and logprobs[:len(new_tokens)],
                                       num_cached_tokens=max(req.num_cached_tokens, 0))
             if prompt_lp is not None:
                 output.prompt_logprobs_start, output.prompt_logprobs = prompt_lp
@@ -230,6 +290,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req.request_id)
+        if self._structured:
+            self.structured_output.free(req.request_id)
         del self.requests[req.request_id]
         self._preempted_since_seen.discard(req.request_id)
         if req.request_id in self._seen_by_workers:

@@ -4,6 +4,10 @@ Tokenizes and validates requests (InputProcessor), sends them to the engine core
 (CoreClient), and routes the core's outputs, detokenized by the OutputProcessor, to one
 asyncio queue per request from a single background task. Internally every request streams
 DELTA outputs; a caller asking for CUMULATIVE or FINAL_ONLY gets them merged.
+
+Admission is all or nothing: a request that fails anywhere on its way to the core (a value the
+wire cannot carry, a failed send) leaves no queue, no counted sequences and no output state behind.
+When the core dies every request in flight ends with EngineDeadError and `died` is set.
 """
 
 from __future__ import annotations
@@ -29,11 +33,23 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestFailedError", "RequestStream",
+           "ServerShutdownError"]
+
+_INT64 = 2**63  # the wire's integers are signed 64-bit
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not prepare or sample this request (or its step failed); it alone ended."""
 
 
 class QueueFullError(RuntimeError):
     """More sequences are queued than --max-queue-len allows."""
+
+
+class ServerShutdownError(EngineDeadError):
+    """The engine stopped serving because its server is shutting down: a request still in flight
+    at the end of the drain ends with this (an EngineDeadError, so it is answered as one: 503)."""
 
 
 class RequestStream:
@@ -62,6 +78,10 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
+            failure = next((c.stop_reason for c in item.outputs if c.finish_reason == "error"), None)
+            if failure is not None:  # one sequence failed: the request fails, its other sequences end
+                self.abort()
+                raise RequestFailedError(str(failure))
             self.finished = item.finished
             if self.kind == RequestOutputKind.DELTA:
                 return item
@@ -108,7 +128,8 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._output_task: asyncio.Task[None] | None = None
         self._error: EngineDeadError | None = None
-        client.on_death(self._fail_all)
+        self.died = asyncio.Event()  # set when the core died or the output loop failed, never by shutdown
+        client.on_death(self._die)
 
     @classmethod
     async def from_engine_args(cls, args: EngineArgs, max_queue_len: int | None = None,
@@ -147,33 +168,43 @@ class AsyncLLM:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0) -> RequestStream:
-        """Validates and submits at once (ValueError, QueueFullError, EngineDeadError)."""
+        """Validates and submits at once (ValueError, QueueFullError, EngineDeadError); whatever the
+        failure, the request leaves nothing behind."""
         error = self.dead_error
         if error is not None:
             raise error
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_wire_values(params, priority)
         processed = self.input_processor.tokenize(prompt)
         now = time.time()
         delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
         children = child_requests(request_id, delta_params)
         requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
-        if self.max_queue_len is not None:  # after validation: a bad request is a ValueError, never a full queue
-            capacity = self.config.scheduler.max_num_seqs + self.max_queue_len
-            if params.n > capacity:
-                raise ValueError(f"n ({params.n}) is more than this server's capacity of {capacity} sequences")
-            if sum(self._num_seqs.values()) + params.n > capacity:
-                raise QueueFullError(f"the server is at capacity ({capacity} sequences running or queued); "
-                                     "retry later")
-        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
-                                          delta_params, [cid for cid, _ in children], now)
+        self._check_capacity(params.n)  # after validation: a bad request is a ValueError, never a full queue
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._num_seqs[request_id] = params.n
+        try:
+            self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
+                                              delta_params, [cid for cid, _ in children], now)
+            self._queues[request_id] = queue
+            self._num_seqs[request_id] = params.n
+            self.client.add_requests(requests)
+        except BaseException:
+            self.output_processor.abort(request_id)
+            self._forget(request_id)
+            raise
         self.metrics.request_added(request_id, now, len(processed.prompt_token_ids))
-        self.client.add_requests(requests)
         return RequestStream(self, request_id, params.output_kind, queue)
+
+    def _check_capacity(self, n: int) -> None:
+        if self.max_queue_len is None:
+            return
+        capacity = self.config.scheduler.max_num_seqs + self.max_queue_len
+        if n > capacity:
+            raise ValueError(f"n ({n}) is more than this server's capacity of {capacity} sequences")
+        if sum(self._num_seqs.values()) + n > capacity:
+            raise QueueFullError(f"the server is at capacity ({capacity} sequences running or queued); retry later")
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
@@ -210,10 +241,10 @@ class AsyncLLM:
                 self._handle_step(await self.client.get_output())
                 await asyncio.sleep(0)  # a ready zmq future does not yield; let HTTP handlers run
         except EngineDeadError as e:
-            self._fail_all(e)
+            self._die(e)
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("the output loop failed")
-            self._fail_all(EngineDeadError(f"the engine front end failed: {type(e).__name__}: {e}"))
+            self._die(EngineDeadError(f"the engine front end failed: {type(e).__name__}: {e}"))
 
     def _handle_step(self, outs: EngineCoreOutputs) -> None:
         now = time.time()
@@ -237,6 +268,21 @@ class AsyncLLM:
         self._queues.pop(request_id, None)
         self._num_seqs.pop(request_id, None)
 
+    def end_all(self, error: EngineDeadError) -> None:
+        """Ends every request in flight with `error` and refuses new ones (a server's drain deadline);
+        the core, if alive, frees their KV blocks."""
+        if self.client.dead is None:
+            ids = [cid for rid in self._queues for cid in self.output_processor.child_ids(rid)]
+            try:
+                self.client.abort_requests(ids)
+            except EngineDeadError:
+                pass  # dead meanwhile: nothing to free
+        self._fail_all(error)
+
+    def _die(self, error: EngineDeadError) -> None:
+        self._fail_all(error)
+        self.died.set()
+
     def _fail_all(self, error: EngineDeadError) -> None:
         if self._error is None:
             self._error = error
@@ -252,9 +298,21 @@ class AsyncLLM:
             task.cancel()
 
     async def shutdown(self) -> None:
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(ServerShutdownError("the server is shutting down"))
         try:
             if self._output_task is not None and not self._output_task.done():
                 await asyncio.wait([self._output_task], timeout=1.0)
         finally:
             self.client.shutdown()
+
+
+def check_wire_values(params: SamplingParams, priority: int) -> None:
+    """What the engine core's wire cannot carry: integers beyond signed 64 bits and text that is not
+    valid Unicode (a lone surrogate, which JSON's \\ud800 escapes can produce)."""
+    if not -_INT64 <= priority < _INT64:
+        raise ValueError(f"priority must fit in a signed 64-bit integer, got {priority}")
+    for s in params.stop:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"stop has a string that is not valid Unicode (a lone surrogate): {s!r}") from None

@@ -4,18 +4,22 @@ this process or in its own (core_proc)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.abstract import Executor
 from tokenmill.executor.uniproc import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+MAX_FAILED_STEPS = 3  # steps in a row that may fail before the engine core gives up
 
 
 class EngineCore:
@@ -33,6 +37,8 @@ class EngineCore:
         self.num_blocks = num_blocks
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
+        self._failed: list[EngineCoreOutput] = []  # requests of failed steps, not yet reported
+        self._failed_steps = 0  # in a row
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
@@ -50,21 +56,49 @@ class EngineCore:
         is scheduled with the tokens its predecessor samples as placeholders (Scheduler._advance)."""
         if not self.config.scheduler.async_scheduling:
             if not self.scheduler.has_unfinished_requests():
-                return EngineCoreOutputs([], self.scheduler.stats(), time.time())
+                return self._outputs(None, None)
             so = self._schedule()
-            return self._outputs(so, self.executor.execute_model(so))
+            try:
+                runner_out = self.executor.execute_model(so)
+            except Exception as e:
+                return self._step_failed(so, e)
+            return self._outputs(so, runner_out)
         if not self._in_flight:
             if not self.scheduler.has_unfinished_requests():
-                return EngineCoreOutputs([], self.scheduler.stats(), time.time())
+                return self._outputs(None, None)
             self._submit()
         if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
             self._submit()
+        if not self._in_flight:  # the steps just scheduled failed to be prepared
+            return self._outputs(None, None)
         so, future = self._in_flight.popleft()
-        return self._outputs(so, future.result())
+        try:
+            runner_out = future.result()
+        except Exception as e:
+            return self._step_failed(so, e)
+        return self._outputs(so, runner_out)
 
     def _submit(self) -> None:
         so = self._schedule()
-        self._in_flight.append((so, self.executor.submit(so)))
+        try:
+            self._in_flight.append((so, self.executor.submit(so)))
+        except Exception as e:
+            self._failed += self._fail_step(so, e)
+
+    def _step_failed(self, so: SchedulerOutput, error: Exception) -> EngineCoreOutputs:
+        self._failed += self._fail_step(so, error)
+        return self._outputs(None, None)
+
+    def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+        """A step that raised ends the requests it scheduled, with the error, and the engine goes on
+        with the rest; MAX_FAILED_STEPS failures in a row mean the engine itself is broken."""
+        self._failed_steps += 1
+        logger.error("engine step failed (%d in a row); ending its %d requests", self._failed_steps,
+                     len(so.num_scheduled_tokens), exc_info=error)
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise error
+        message = f"the engine step failed: {type(error).__name__}: {error}"
+        return self.scheduler.fail_requests({rid: message for rid in so.num_scheduled_tokens})
 
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
@@ -73,13 +107,16 @@ class EngineCore:
             self._scheduled.update((r.req_id, now) for r in so.scheduled_new_reqs)
         return so
 
-    def _outputs(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs = self.scheduler.update_from_output(so, runner_out)
+    def _outputs(self, so: SchedulerOutput | None, runner_out: ModelRunnerOutput | None) -> EngineCoreOutputs:
+        outputs, self._failed = self._failed, []
+        if so is not None and runner_out is not None:
+            outputs += self.scheduler.update_from_output(so, runner_out)
+            self._failed_steps = 0
         scheduled, self._scheduled = self._scheduled, {}
         return EngineCoreOutputs(outputs, self.scheduler.stats(), time.time(), scheduled)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
+        return bool(self._in_flight or self._failed) or self.scheduler.has_unfinished_requests()
 
     def shutdown(self) -> None:
         """Wait for the steps in flight and stop the worker thread."""

@@ -109,16 +109,24 @@ class CoreClient:
             cb(error)
 
     def _send(self, kind: bytes, msg: msgspec.Struct | list[EngineCoreRequest]) -> None:
+        self._send_bytes(kind, encode(msg))
+
+    def _send_bytes(self, kind: bytes, payload: bytes) -> None:
         if self.dead is not None:
             raise self.dead
         try:
-            self.input.send_multipart([kind, encode(msg)], zmq.NOBLOCK)
+            self.input.send_multipart([kind, payload], zmq.NOBLOCK)
         except zmq.Again:  # no core on the other end: it died before its sentinel was seen
             raise EngineDeadError("the engine core is not reachable") from None
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """One message, so the n children of a request reach the same step."""
-        self._send(ADD, requests)
+        """One message, so the n children of a request reach the same step. A request the wire cannot
+        carry (an integer past 64 bits, a lone surrogate in a string) is a ValueError, and nothing is sent."""
+        try:
+            payload = encode(requests)
+        except (msgspec.EncodeError, OverflowError, UnicodeEncodeError, TypeError) as e:
+            raise ValueError(f"the request cannot be sent to the engine core: {e}") from None
+        self._send_bytes(ADD, payload)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
@@ -150,7 +158,8 @@ class CoreClient:
                 self._mark_dead(EngineDeadError(f"the engine core failed: {msg.message}"))
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stops the core (SHUTDOWN, then SIGTERM, then SIGKILL) and releases the sockets."""
+        """Stops the core (SHUTDOWN; SIGTERM, which stops a core still loading; then SIGKILL) and releases
+        the sockets."""
         self.dead = self.dead or EngineDeadError("the engine has shut down")
         try:
             if self.proc.is_alive() and self.ready:  # a core still loading cannot read; stop it at once

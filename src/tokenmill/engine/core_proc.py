@@ -5,6 +5,11 @@ wire, typed msgspec Structs in multipart `[kind, msgpack payload]` frames. The c
 without blocking while requests run, steps, and sends outputs; when idle it blocks on
 input (waking every second to notice a dead parent). Startup failures come back as a
 FAILED message; a core that dies later is noticed through its process sentinel.
+
+SIGTERM stops a core that is still loading; once it serves, the API process owns its end (it
+drains its requests, then sends SHUTDOWN), so a SIGTERM to the whole process group (systemd's
+default, `kill -TERM -PGID`) does not cut the requests the API process is draining. A core whose API
+process is gone exits by itself within a second.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
         out.close()
         ctx.term()
         raise SystemExit(1) from None
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the API process stops us (module docstring)
     out.send_multipart([READY, encode(CoreReady(os.getpid(), core.num_blocks, time.perf_counter() - start))])
     code = 0
     try:

@@ -12,10 +12,9 @@ _CONTEXT = 5  # ids before the read offset decoded with the window, for leading 
 
 def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """ids -> text as tokenizer.decode gives it. For a fast tokenizer that does no clean-up of
-    spaces, transformers' decode is the Rust backend's decode behind ~2 us of Python argument
-    handling per call (4.0 against 2.1 us here), and a streamed token costs two calls (under
-    cProfile, 0.46 s of a 256-request offline run of the demo model went to decode, 0.06 s of it
-    in the backend); call the backend directly then."""
+    spaces, transformers' decode is the Rust backend's decode behind Python argument handling that
+    costs more than the decode itself, and a streamed token costs two calls; call the backend
+    directly then (bench/README.md, "Measurements behind the code")."""
     backend = getattr(tokenizer, "_tokenizer", None)
     cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
     if backend is not None and hasattr(backend, "decode") and not cleans_up:

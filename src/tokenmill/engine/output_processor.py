@@ -131,19 +131,32 @@ class OutputProcessor:
         if out.new_token_ids:
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
-        child.token_ids.extend(out.new_token_ids)
+        tokens, stopped = out.new_token_ids, False
+        if child.detok is not None:
+            tokens, stopped = self._detokenize(child, tokens)
+        child.token_ids.extend(tokens)
         if out.new_logprobs is not None and child.logprobs is not None:
-            for entry in out.new_logprobs:
+            for entry in out.new_logprobs[:len(tokens)]:
                 child.logprobs.append(self._logprobs(entry))
                 child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry[1][0]
-        stopped = False
-        if child.detok is not None:
-            before = len(child.text)
-            child.text += child.detok.add_tokens(out.new_token_ids)
-            stopped = self._check_stop_strings(child, before)
         if out.finish_reason is not None and not stopped:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
         return stopped
+
+    def _detokenize(self, child: ChildState, tokens: list[int]) -> tuple[list[int], bool]:
+        """Adds the tokens to the child's text. Where one completes a stop string: the tokens up to it
+        and True, so that a step that took several (accepted drafts) stops where one at a time would."""
+        assert child.detok is not None
+        if len(tokens) == 1 or not child.params.stop:
+            before = len(child.text)
+            child.text += child.detok.add_tokens(tokens)
+            return tokens, self._check_stop_strings(child, before)
+        for k, tid in enumerate(tokens):
+            before = len(child.text)
+            child.text += child.detok.add_tokens([tid])
+            if self._check_stop_strings(child, before):
+                return tokens[:k + 1], True
+        return tokens, False
 
     @staticmethod
     def _check_stop_strings(child: ChildState, before: int) -> bool:

@@ -14,6 +14,11 @@ from tokenmill.fast_exit import fast_exit
 DEMO_MODEL = os.path.join("models", "tokenmill-demo")
 STARTED_AT = time.time()  # imported while the CLI builds its parser: the reference for "ready in"
 _REPO_ROOT = Path(__file__).resolve().parents[3]
+# the exit statuses of openai/lifecycle.py (EXIT_*) and of cli.py's argument errors
+EXIT_STATUS_HELP = ("exit status: 0 stopped by SIGTERM or Ctrl-C with every request finished; 1 the engine core "
+                    "died (after ending every request with an error), or the server could not start; 2 bad "
+                    "arguments (one line on stderr); 3 stopped, but requests still running at the end of "
+                    "--shutdown-timeout were ended with an error")
 # CPUs left to the API process (HTTP, tokenization, detokenization) when --num-threads is not given:
 # compute threads that share a CPU with it are descheduled mid-step
 API_PROCESS_CPUS = 1
@@ -22,11 +27,12 @@ DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="Serve a Hugging Face checkpoint over an OpenAI-compatible HTTP API.")
+                              description="Serve a Hugging Face checkpoint over an OpenAI-compatible HTTP API.",
+                              epilog=EXIT_STATUS_HELP)
     p.add_argument("model", nargs="?", default=None,
                    help=f"checkpoint directory (default: the demo model, {DEMO_MODEL})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set TOKENMILL_API_KEY)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or template text) "
@@ -35,6 +41,10 @@ def register(subparsers: Any) -> None:
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: no limit)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="abort requests running longer than this many seconds (default: none)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, new requests get 503 while those in flight run on for up to this "
+                        "many seconds; then the rest end with an error (503, or an SSE error event) and the "
+                        "server exits; a second signal ends them at once (default 30)")
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (413 above)")
     p.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                    help="the most sequences one request may fan out into, its prompts times n (20 prompts with "
@@ -87,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be positive, got {args.request_timeout}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if args.max_prompts_per_request < 1:
         raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}")
     resolve_model_args(args)
@@ -101,6 +113,6 @@ def run(args: argparse.Namespace) -> int:
         code = asyncio.run(run_server(args, engine_args, template, STARTED_AT))
     except KeyboardInterrupt:
         code = 130
-    except SystemExit as e:  # SIGTERM, after a graceful stop
+    except SystemExit as e:  # SIGTERM while the engine loads
         code = e.code if isinstance(e.code, int) else 1
     fast_exit(code)  # both processes are down

@@ -13,7 +13,7 @@ from tokenmill.executor.abstract import Executor
 # While a step runs on the worker thread, the engine core's thread runs Python beside it, and the
 # step's thread needs the GIL back between its kernels. CPython hands the GIL over only every "switch
 # interval" (5 ms by default), so a kernel's return could wait that long for the other thread's
-# Python; 50 us keeps the wait short (bench/README.md has the measurements).
+# Python; 50 us keeps the wait short (bench/README.md, 'Measurements behind the code').
 _SWITCH_INTERVAL_S = 5e-5
 
 

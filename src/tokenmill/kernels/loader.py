@@ -20,7 +20,7 @@ _INCLUDE_DIR = os.path.join(_CPU_DIR, "include")
 # no -ffast-math: the fused ops must round like the torch reference
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
 # torch caches a build by name and rebuilds when the sources' paths change, so two checkouts sharing
-# one name rebuilt each other's kernels (~30 s at the next start); a name per source directory does not
+# one name rebuilt each other's kernels (a full rebuild at the next start); a name per source directory does not
 _NAME = "tokenmill_cpu_kernels_" + hashlib.sha1(_CPU_DIR.encode()).hexdigest()[:10]
 
 

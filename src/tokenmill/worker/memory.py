@@ -31,13 +31,12 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     first written, so start-up neither touches nor commits the whole budget. (Zeros matter: padded
     attention reads of never-written slots must not meet NaN garbage.)
 
-    The mapping asks for transparent huge pages. That is a trade, measured on this VM with 256
-    requests: decode attention reads the scattered KV blocks 5-11% faster from 2 MiB pages (4.5-4.6
-    s against 4.9-5.0 s per run: fewer TLB misses), but a first touch of guest memory that was
-    never backed costs 1.7-2.8 s per GiB in 2 MiB pages against 0.4-0.6 s in 4 KiB pages, so the
-    first offline run right after start-up pays ~1.8 s more in KV writes (and came out even, 41.2
-    s against 40.6 s). Every later run, and a server (BackgroundPopulate faults the pool in while
-    it is idle), gets the faster reads."""
+    The mapping asks for transparent huge pages. That is a trade: decode attention reads the
+    scattered KV blocks faster from 2 MiB pages (fewer TLB misses), but a first touch of memory that
+    was never backed costs more per GiB in 2 MiB pages than in 4 KiB pages, so the first offline run
+    right after start-up pays more in KV writes, about what the faster reads win back. Every later
+    run, and a server (BackgroundPopulate faults the pool in while it is idle), gets the faster
+    reads (figures in bench/README.md, 'Measurements behind the code')."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
@@ -53,8 +52,8 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def keep_freed_memory() -> bool:
     """Serve a step's activations (up to 32 MiB each) from the heap and never trim it: with glibc's
     defaults, blocks over 128 KiB are mmap'd and unmapped per tensor, so every step page-faults
-    its activations in again (~100k faults per offline run of 64 requests here). Process-wide,
-    so it is called in the worker's process only; a no-op off glibc."""
+    its activations in again. Process-wide, so it is called in the worker's process only; a no-op
+    off glibc."""
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
@@ -68,15 +67,15 @@ def keep_freed_memory() -> bool:
 class BackgroundPopulate:
     """Faults a lazily mapped KV pool in from a background thread while the engine is idle, lowest
     block ids first (the pool hands those out first), so that KV writes stop paying first-touch
-    page faults (0.5 ms per KV write on a fresh page, ~4% of an offline run here) once the engine
+    page faults (a KV write to a fresh page waits for the kernel to fault it in) once the engine
     has had idle time; a run started right after start-up still pays them for the pages it uses.
 
-    Idle only: on this VM a first touch costs ~1 s per GiB of kernel time, and populating beside
-    a running step slowed the step's matmuls up to 2x; beside start-up it cost `tokenmill serve`
-    0.2-0.3 s to its first token. So the thread begins when the first step is over and then waits
-    while steps run (`paused()` wraps each): it works between requests. It holds no GIL while
-    the kernel populates (ctypes releases it). `kv` is contiguous with the block index at
-    `block_dim`. On a non-Linux OS or a kernel before 5.14 it does nothing."""
+    Idle only: a first touch costs kernel time for every GiB, populating beside a running step
+    slows the step's matmuls, and beside start-up it delays `tokenmill serve`'s first token
+    (bench/README.md, 'Measurements behind the code'). So the thread begins when the first step is
+    over and then waits while steps run (`paused()` wraps each): it works between requests. It
+    holds no GIL while the kernel populates (ctypes releases it). `kv` is contiguous with the block
+    index at `block_dim`. On a non-Linux OS or a kernel before 5.14 it does nothing."""
 
     def __init__(self, kv: torch.Tensor, block_dim: int, chunk_bytes: int = 2 << 20, quiet_s: float = 0.05) -> None:
         self._quiet_s = quiet_s

@@ -4,30 +4,36 @@ path where it applies), samples. The Worker (worker.py) builds it once the KV ca
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, output_rows
 from tokenmill.config import EngineConfig
+from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kv_cache_spec import KVCacheConfig
+from tokenmill.spec_decode.proposer import ProposalInput, Proposer
 from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
 from tokenmill.worker.kv_cache import KVCacheTensors
 from tokenmill.worker.memory import BackgroundPopulate
-from tokenmill.worker.sampler import LogprobEntry, Sampler, SamplerOutput, SamplingRow, topn_logprobs
+from tokenmill.worker.sampler import Sampler, SamplerOutput, topn_logprobs
+from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class PreparedStep:
-    step: StepBatch
-    meta: AttentionMetadata
+    step: StepBatch | None  # None: every scheduled request failed to prepare
+    meta: AttentionMetadata | None
     rows: OutputRows | None  # the rows whose outputs are used, where that is fewer than all
+    sampling: SamplingMetadata | None  # the sampled rows' parameters; None: the step samples nothing
+    failed: dict[str, str] = field(default_factory=dict)  # scheduled requests left out: their errors
 
 
 class ModelRunner:
@@ -45,13 +51,23 @@ class ModelRunner:
         # fault the pool in while idle, each group's tensor; begins after the first step
         self._populate = [BackgroundPopulate(t, block_dim=d) for t, d in kv_caches.groups]
         self.states: dict[str, CachedRequestState] = {}
+        self.failed: dict[str, str] = {}  # requests whose state could not be built, until they finish
+        self.eos_token_ids = self.arch.eos_token_ids
+        self.sampling = SamplingTable(self.eos_token_ids)  # the states' sampling parameters, one row each
         self.sampler = Sampler(ops)
+        self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it
         self.fused_decode = FusedDecode.create(model, ops, backend)
         # only the sampled rows through the last layer's attention output and MLP (OutputRows);
         # False runs every row through it, the reference path the tests compare with
         self.output_rows_only = True
-        self.eos_token_ids = self.arch.eos_token_ids
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        # a request's drafts follow the tokens the step before took, so that step's output must be in
+        # before the next step is scheduled: async scheduling schedules it first
+        if proposer is not None and self.config.scheduler.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling off")
+        self.proposer = proposer
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute(self.prepare(so))
@@ -60,10 +76,16 @@ class ModelRunner:
         """The step's inputs, built from the states as they are now: for async scheduling this runs while
         the step before is still executing, so a decode row whose token that step samples is left
         pending (StepBatch.pending_inputs) and filled in by execute(). None: nothing to run."""
-        update_states(self.states, so, self.device)
+        update_states(self.states, so, self.device, self.sampling, self.failed)
+        failed = {rid: self.failed[rid] for rid in so.num_scheduled_tokens if rid in self.failed}
+        if failed:
+            so = _without(so, failed)
         if so.total_num_scheduled_tokens == 0:
-            return None
+            return PreparedStep(None, None, None, None, failed) if failed else None
         step = build_step(self.states, so, self.block_size)
+        sampling = None
+        if step.sample_states:  # gathered here: the next step's prepare may change the table while this runs
+            sampling = self.sampling.view(step.sample_req_ids, step.sample_drafts, so.grammar_bitmask, self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
@@ -72,68 +94,85 @@ class ModelRunner:
         rows = None
         if self.output_rows_only and not step.prompt_lp_rows and len(step.logits_indices) < len(step.input_ids):
             # only the sampled rows need the last layer's output (prompt logprobs need every row's)
-            rows = output_rows(meta, step.logits_indices, step.sample_positions)
+            rows = output_rows(meta, step.logits_indices, step.logits_seqs)
             self.backend.prepare(rows.meta, self.device)
-        return PreparedStep(step, meta, rows)
+        return PreparedStep(step, meta, rows, sampling, failed)
 
     def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
         """Run a prepared step; steps must execute in the order they were prepared."""
         if prepared is None:
             return ModelRunnerOutput([], [])
+        if prepared.step is None or prepared.meta is None:
+            return ModelRunnerOutput([], [], failed=prepared.failed)
         with contextlib.ExitStack() as stack:
             for populate in self._populate:
                 stack.enter_context(populate.paused())
-            return self._execute(prepared.step, prepared.meta, prepared.rows)
+            out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling)
+            if self.proposer is not None and prepared.step.sample_states:
+                out.spec_token_ids = self._propose(prepared.step, out)
+            out.failed = prepared.failed
+            return out
 
     @torch.inference_mode()
-    def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None) -> ModelRunnerOutput:
+    def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None,
+                 sampling: SamplingMetadata | None) -> ModelRunnerOutput:
         step.fill_pending_inputs()
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions).to(self.device)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
         states = step.sample_states
-        # the common case, every row plain greedy, skips building the sampler's rows
-        greedy = all(len(st.token_ids) >= st.greedy_from for st in states)
+        greedy = sampling is not None and sampling.all_plain_greedy  # (and then no bitmask)
         fused = self.fused_decode
         if fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
-            if greedy and states and len(states) == len(step.input_ids) and not step.prompt_lp_rows:
+            if greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows:
                 ids = fused.greedy(input_ids, positions, meta)
                 if ids is not None:  # the whole step in one call, to its tokens
-                    self._record(step, out, SamplerOutput(ids.tolist()))
+                    self._record(step, out, SamplerOutput([[t] for t in ids.tolist()]))
                     return out
             hidden = fused.forward(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta, rows)
-        if states:
-            self._sample(hidden, step, out, greedy)
+        if sampling is not None:
+            self._sample(hidden, step, out, sampling, greedy)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
             out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], st, pos0))
         return out
 
-    def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput, greedy: bool) -> None:
+    def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput, sampling: SamplingMetadata,
+                greedy: bool) -> None:
         if len(step.logits_indices) < hidden.shape[0]:  # the model gave every row's
             hidden = hidden.index_select(0, torch.tensor(step.logits_indices, device=self.device))
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
-        states = step.sample_states
         ids = self.sampler.argmax(logits) if greedy else None
-        if ids is not None:
-            sampled = SamplerOutput(ids)
-        else:
-            sampled = self.sampler(logits, [SamplingRow(st.sampling_params, st.token_ids, st.num_prompt_tokens,
-                                                        self.eos_token_ids, st.generator) for st in states])
+        sampled = SamplerOutput(sampling.runs(ids)) if ids is not None else self.sampler(logits, sampling)
         self._record(step, out, sampled)
 
     @staticmethod
     def _record(step: StepBatch, out: ModelRunnerOutput, sampled: SamplerOutput) -> None:
-        """Each sampled row's token (and logprobs) into its request's state and the step's output."""
+        """Each sampling request's tokens (and logprobs) into its state and the step's output."""
         rows = zip(step.sample_states, step.sample_positions, sampled.token_ids, strict=False)
-        for k, (st, pos, tok) in enumerate(rows):
-            st.token_ids.append(tok)
-            out.sampled_token_ids[pos] = [tok]
-            if sampled.logprobs and sampled.logprobs[k] is not None:
-                out.logprobs[st.req_id] = [sampled.logprobs[k]]  # type: ignore[list-item]
+        for k, (st, pos, tokens) in enumerate(rows):
+            st.token_ids.extend(tokens)
+            out.sampled_token_ids[pos] = tokens
+            if sampled.logprobs and (logprobs := sampled.logprobs[k]) is not None:
+                out.logprobs[st.req_id] = logprobs
+
+    def _propose(self, step: StepBatch, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        assert self.proposer is not None
+        states = step.sample_states
+        taken = [len(out.sampled_token_ids[p]) for p in step.sample_positions]
+        return self.proposer.propose(ProposalInput([st.req_id for st in states], [st.token_ids for st in states],
+                                                   taken))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, st: CachedRequestState, pos0: int) -> list[LogprobEntry]:
         logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(st.token_ids[pos0:pos0 + hidden.shape[0]], device=self.device)
         return topn_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs or 0)
+
+
+def _without(so: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:
+    """The step without these requests (their tokens are not computed)."""
+    tokens = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in failed}
+    spec = {rid: d for rid, d in so.scheduled_spec_decode_tokens.items() if rid not in failed}
+    return dataclasses.replace(so, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                               scheduled_spec_decode_tokens=spec)

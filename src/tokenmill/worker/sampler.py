@@ -1,48 +1,48 @@
-"""Batched sampling: logit processors (min_tokens, logit_bias, penalties), greedy argmax,
-temperature / top-k / top-p / min-p, per-request seeded generators, and raw logprobs.
+"""Batched sampling: the token bitmask (structured output), logit processors (min_tokens,
+logit_bias, penalties), greedy argmax, temperature / top-k / top-p / min-p, per-request seeded
+generators, raw logprobs, and the verification of draft tokens (spec_decode.rejection_sampler).
 
 Random sampling inverts each row's CDF at one uniform draw, so a seeded request draws exactly
-one number from its own generator per step, whatever else runs. (It drew a [vocab] vector of
-Exp(1) noise before: 0.5 ms a row at a 32k vocabulary on this CPU, an eighth of a batch-1 step.)
+one number from its own generator per token it takes, whatever else runs; a [vocab] vector of noise per
+row would cost more than the inversion (bench/README.md, "Measurements behind the code").
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tokenmill.core.messages import LogprobEntry
+from tokenmill.core.structured_output import BITS_PER_WORD
 from tokenmill.sampling_params import SamplingParams
-
-
-@dataclass
-class SamplingRow:
-    """One sampled sequence. token_ids is the request's own list (prompt then outputs), shared,
-    not copied: only penalties and min_tokens look at it, so most steps never slice it."""
-
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    eos_token_ids: tuple[int, ...]
-    generator: torch.Generator | None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[LogprobEntry | None] = field(default_factory=list)
+    token_ids: list[list[int]]  # per request: the tokens it takes (accepted drafts, then one more)
+    logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)  # per request, per token taken
 
 
-def apply_logit_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place, row by row, only for the rows that ask for something."""
-    for i, row in enumerate(rows):
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf for each token whose bit is clear in its row's bitmask ([rows, words] int32,
+    token t at bit t % 32 of word t // 32); a token past the mask's words is disallowed too."""
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits.masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
+
+def apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                           index: Sequence[int] | None = None) -> None:
+    """In place, row by row, only for the rows given: rows[k] is logits row index[k] (k by default)."""
+    for k, row in enumerate(rows):
+        i = k if index is None else index[k]
         p = row.params
         if row.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
@@ -75,7 +75,7 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], 
 
 # top-k / top-p / min-p take the top candidates per row by topk, this many and then (for rows that
 # need more) this many, and sort no further where they provably hold every token that survives; the
-# rows left sort their whole vocabulary (2 ms a row at 32k here, against 0.05 ms for a topk of 256)
+# rows left sort their whole vocabulary, which costs far more than a topk of 256
 FILTER_CANDIDATES = (256, 2048)
 
 
@@ -171,19 +171,6 @@ def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[
     return out
 
 
-def plain_greedy_from(params: SamplingParams, num_prompt_tokens: int) -> float:
-    """The sequence length (prompt + outputs) from which sampling is plain greedy: greedy with
-    nothing that changes or reports the logits, once min_tokens is reached; inf if never."""
-    p = params
-    if p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties:
-        return num_prompt_tokens + p.min_tokens
-    return math.inf
-
-
-def is_plain_greedy(row: SamplingRow) -> bool:
-    return len(row.token_ids) >= plain_greedy_from(row.params, row.num_prompt_tokens)
-
-
 class Sampler:
     def __init__(self, ops: Any = None) -> None:
         self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 logits
@@ -195,50 +182,59 @@ class Sampler:
             return self.ops.argmax_rows(logits).tolist()
         return None
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        if all(is_plain_greedy(r) for r in rows) and (ids := self.argmax(logits)) is not None:
-            return SamplerOutput(ids)
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if meta.all_plain_greedy and (ids := self.argmax(logits)) is not None:
+            return SamplerOutput(meta.runs(ids))
         logits = logits.to(torch.float32, copy=True)  # the sampler's own: processors and _choose work in place
-        max_logprobs = max((r.params.logprobs or 0) for r in rows) if rows else 0
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        apply_logit_processors(logits, rows)
-        chosen = self._choose(logits, rows)
-        token_ids = chosen.tolist()
-        out = SamplerOutput(token_ids)
-        if raw_logprobs is not None:
-            entries = topn_logprobs(raw_logprobs, chosen, max_logprobs)
-            for row, (ids, lps, rks) in zip(rows, entries, strict=False):
-                n = row.params.logprobs
-                out.logprobs.append(None if n is None else (ids[: n + 1], lps[: n + 1], rks[: n + 1]))
+        if meta.bitmask is not None:  # before anything else reads the logits
+            apply_token_bitmask(logits, meta.bitmask)
+        raw_logprobs = logits.log_softmax(dim=-1) if meta.logprobs is not None else None
+        if meta.processors:
+            apply_logit_processors(logits, [r for _, r in meta.processors], [i for i, _ in meta.processors])
+        chosen = self._choose(logits, meta)
+        out = SamplerOutput(meta.runs(chosen.tolist()))
+        if raw_logprobs is not None and meta.logprobs is not None:
+            entries = topn_logprobs(raw_logprobs, chosen, max(meta.logprobs))
+            for first, run in zip(meta.first_rows, out.token_ids, strict=True):
+                n = meta.logprobs[first]
+                out.logprobs.append(None if n < 0 else [(ids[: n + 1], lps[: n + 1], rks[: n + 1])
+                                                        for ids, lps, rks in entries[first:first + len(run)]])
         return out
 
     @staticmethod
-    def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _choose(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Each row's token; logits (float32, the sampler's own) are overwritten."""
         greedy = logits.argmax(dim=-1)
-        if all(r.params.greedy for r in rows):
+        if meta.all_greedy:
             return greedy
         dev = logits.device
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-        scaled = logits.div_(temps[:, None])
-        if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
-            scaled = filter_logits(scaled, top_k, top_p, min_p)
-        # probabilities and their running sums (each full-size pass over 256 rows of a 32k vocabulary
-        # costs 2-8 ms here; a float64 cumsum took 62)
+        scaled = logits.div_(meta.temperature[:, None])
+        if meta.any_filter:
+            scaled = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p)
+        # probabilities and their running sums, in float32: each is a full pass over [rows, vocab], and a
+        # float64 cumsum is many times slower
         cdf = scaled.softmax(dim=-1).cumsum_(dim=-1)
-        # inverse CDF: the first token whose running sum passes u * total. A token of probability 0
-        # (filtered out) leaves the sum where it was, so it is never the one; the greedy token guards the
-        # last-bit case of u * total rounding up to total
-        u = torch.rand(len(rows), 1, device=dev)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                u[i] = torch.rand(1, generator=row.generator, device=dev)
-        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
-        before = cdf.gather(1, (sampled - 1).clamp(min=0)).masked_fill_(sampled == 0, 0.0)
-        sampled = torch.where(cdf.gather(1, sampled) > before, sampled, greedy[:, None])[:, 0]
-        is_greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
-        return torch.where(is_greedy, greedy, sampled)
+        u = torch.rand(len(cdf), 1, device=dev)
+        for i, gen in meta.generators:
+            u[i] = torch.rand(1, generator=gen, device=dev)
+        chosen = torch.where(meta.greedy, greedy, inverse_cdf(cdf, u, greedy))
+        for first, gen, drafts in meta.seeded_groups:
+            # one uniform per token taken: draw row by row, up to the first row whose token is not its
+            # draft (where rejection_sampler.accepted_run ends the run)
+            for j in range(len(drafts) + 1):
+                r = slice(first + j, first + j + 1)
+                u_j = torch.rand(1, 1, generator=gen, device=dev)
+                if not bool(meta.greedy[r]):
+                    chosen[r] = inverse_cdf(cdf[r], u_j, greedy[r])
+                if j == len(drafts) or int(chosen[r]) != drafts[j]:
+                    break
+        return chosen
+
+
+def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Each row's token: the first whose running sum passes u * total. A token of probability 0
+    (filtered out) leaves the sum where it was, so it is never the one; the greedy token guards the
+    last-bit case of u * total rounding up to total."""
+    sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
+    before = cdf.gather(1, (sampled - 1).clamp(min=0)).masked_fill_(sampled == 0, 0.0)
+    return torch.where(cdf.gather(1, sampled) > before, sampled, greedy[:, None])[:, 0]

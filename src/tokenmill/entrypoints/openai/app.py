@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenmill import __version__
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import check_token_ids
+from tokenmill.entrypoints.openai import serving_responses
 from tokenmill.entrypoints.openai.errors import bad_request, install_error_handlers
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
 from tokenmill.entrypoints.openai.openapi import SSE, errors, install_openapi
@@ -114,4 +115,5 @@ def build_app(ctx: ServerContext, api_key: str | None = None,
         except EngineDeadError as e:
             raise engine_dead(e) from None
 
+    serving_responses.register(app, ctx)
     return app

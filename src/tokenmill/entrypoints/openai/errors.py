@@ -14,6 +14,7 @@ Every error carries one stable `code` (OpenAI's own where OpenAI has one):
 | 400    | too_many_sequences      | prompts x n over --max-prompts-per-request                              |
 | 401    | invalid_api_key         | the API key is missing or wrong                                         |
 | 404    | model_not_found         | the model named is not the one served                                   |
+| 404    | response_not_found      | no stored response has that id (/v1/responses)                          |
 | 404    | not_found               | no such route                                                           |
 | 405    | method_not_allowed      | the route exists, not with this method (the Allow header lists those)   |
 | 408    | timeout                 | the request ran past --request-timeout and was aborted                  |
@@ -21,7 +22,9 @@ Every error carries one stable `code` (OpenAI's own where OpenAI has one):
 | 429    | rate_limit_exceeded     | the server's queue (--max-queue-len) is full; retry later               |
 | 499    | client_closed           | the client hung up (logged; nobody receives it)                         |
 | 500    | internal_error          | a bug in tokenmill (the connection is closed after it)                  |
+| 500    | request_failed          | the engine failed this request alone (it went on with the others)       |
 | 503    | engine_dead             | the engine core is gone                                                 |
+| 503    | shutting_down           | the server is stopping (lifecycle.py) and takes no new requests         |
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
@@ -42,8 +46,9 @@ logger = logging.getLogger(__name__)
 ERROR_CODES: dict[str, int] = {
     "invalid_request": 400, "invalid_value": 400, "unknown_parameter": 400, "unsupported_parameter": 400,
     "context_length_exceeded": 400, "too_many_sequences": 400, "invalid_api_key": 401, "model_not_found": 404,
-    "not_found": 404, "method_not_allowed": 405, "timeout": 408, "payload_too_large": 413,
-    "rate_limit_exceeded": 429, "client_closed": 499, "internal_error": 500, "engine_dead": 503,
+    "response_not_found": 404, "not_found": 404, "method_not_allowed": 405, "timeout": 408,
+    "payload_too_large": 413, "rate_limit_exceeded": 429, "client_closed": 499, "internal_error": 500,
+    "request_failed": 500, "engine_dead": 503, "shutting_down": 503,
 }
 _TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_error", 500: "server_error",
           503: "server_error"}
@@ -53,7 +58,7 @@ _UNION_FIELDS = {
     "stop": "stop must be a non-empty string or a list of them",
 }
 # pydantic error types about the shape of the body, not a value in it
-_MAP_FIELDS = ("logit_bias", "metadata", "chat_template_kwargs")
+_MAP_FIELDS = ("logit_bias", "chat_template_kwargs")
 _SHAPE_ERRORS = ("json_invalid", "missing", "model_attributes_type", "model_type", "dict_type", "list_type",
                  "union_tag_invalid")
 
@@ -139,11 +144,21 @@ def from_http(request: Request, exc: StarletteHTTPException) -> APIError:
         return APIError("not_found", f"no route {request.method} {request.url.path}")
     if exc.status_code == 405:
         return APIError("method_not_allowed", f"method {request.method} is not allowed on {request.url.path}",
-                        headers=exc.headers)
+                        headers={"Allow": ", ".join(sorted(_allowed_methods(request)))})
     if exc.status_code == 400:  # FastAPI's own: a body it could not parse
         return bad_request("the request body could not be parsed as JSON", code="invalid_request")
     status = {v: k for k, v in reversed(list(ERROR_CODES.items()))}
     return APIError(status.get(exc.status_code, "internal_error"), str(exc.detail), headers=exc.headers)
+
+
+def _allowed_methods(request: Request) -> set[str]:
+    """Every method some route serves this path with (Starlette's 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return methods
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import SamplingRequest
@@ -61,7 +61,10 @@ class OpenAIServing:
         self.engine = ctx.engine
         self.tokenizer = ctx.engine.tokenizer
         self.max_model_len = ctx.engine.config.model.max_model_len
-        self.vocab_size = ctx.engine.config.model.arch.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.config.model.arch.vocab_size)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.ctx.model_name and name not in self.ctx.model_aliases:
@@ -210,6 +213,8 @@ class OpenAIServing:
                 return task.result()
             except EngineDeadError as e:
                 raise engine_dead(e) from None
+            except RequestFailedError as e:
+                raise request_failed(e) from None
         if watcher in done:
             raise APIError("client_closed", "the client closed the connection")
         raise timed_out(self.ctx.request_timeout)
@@ -220,6 +225,11 @@ def _param_of(error: ValueError) -> str:
     parameter (the engine's messages start with the field), else the prompt."""
     word = str(error).split(" ", 1)[0]
     return word if word in SamplingParams.__dataclass_fields__ else "prompt"
+
+
+def request_failed(error: RequestFailedError) -> APIError:
+    """The engine failed this request alone (a bug, not the input): a 500 that says so."""
+    return APIError("request_failed", f"the engine failed this request: {error}")
 
 
 def timed_out(timeout: float | None) -> APIError:
@@ -291,6 +301,8 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
         error = e
     except EngineDeadError as e:
         error = engine_dead(e)
+    except RequestFailedError as e:
+        error = request_failed(e)
     except Exception as e:  # a bug: the stream still ends as the client expects
         logger.exception("unhandled error in a stream")
         error = APIError("internal_error", f"internal server error: {type(e).__name__}")

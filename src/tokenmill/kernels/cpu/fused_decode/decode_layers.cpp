@@ -1,12 +1,13 @@
 // The decoder layers of a Llama-family model for a pure-decode step, in one call.
 //
-// At batch 1 a step's weights stream at memory speed in the GEMV, but Python spent ~1 ms per step
-// between the ~90 kernel calls of the layer loop (module calls, views, dispatch): about a sixth of
-// the step. This op runs the same loop in C++ and calls the very same kernels (rms_norm, packed_gemv
-// or oneDNN's packed linear as PackedLinear picks them, rotary_, write_kv_, paged_decode,
-// silu_and_mul), in the same order on the same data, so its output is bitwise the output of the
-// Python loop; the Python loop stays the reference it is tested against. The GEMV and the attention
-// block's kernels are called by their raw entry points (kernels.h), the rest through the dispatcher.
+// At batch 1 a step's weights stream at memory speed in the GEMV, but the Python layer loop spends a
+// large share of the step between its many small kernel calls (module calls, views, dispatch; figures
+// in bench/README.md, 'Measurements behind the code'). This op runs the same loop in C++ and calls the
+// very same kernels (rms_norm, packed_gemv or oneDNN's packed linear as PackedLinear picks them,
+// rotary_, write_kv_, paged_decode, silu_and_mul), in the same order on the same data, so its output is
+// bitwise the output of the Python loop; the Python loop stays the reference it is tested against. The
+// GEMV and the attention block's kernels are called by their raw entry points (kernels.h), the rest
+// through the dispatcher.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -42,7 +43,7 @@ struct Ops {
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
 // packed_gemv_max_rows(K) rows, else oneDNN on the same packed weight.
 // w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
-// checks and lookups (~1.5 us a call at batch 1); 0: through the op
+// checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op
 at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                   int64_t w_ptr) {
   if (gemv && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
@@ -152,7 +153,7 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                          int64_t window, bool gemv, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
                          bool lm_head_gemv, int64_t lm_head_ptr) {
-  // the embedding's rows, copied as at::embedding copies them (which cost ~25 us at batch 1 here)
+  // the embedding's rows, copied as at::embedding copies them, without that op's per-call overhead
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
   TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.is_contiguous() && embed.dim() == 2,

@@ -1,5 +1,5 @@
 // Entry points of kernels that decode_layers calls directly, by raw pointers: at batch 1 the tensor
-// views, checks and dispatch around each call cost more than some of the kernels (~10 us a layer).
+// views, checks and dispatch around each call cost more than some of the kernels themselves.
 // The registered ops take tensors, check them and call these same functions.
 #pragma once
 

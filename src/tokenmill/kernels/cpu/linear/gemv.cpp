@@ -2,14 +2,13 @@
 // kept once. fp32 accumulation, fp32 bias, bf16 output rounded to nearest even: the numbers of
 // oneDNN's path up to summation order.
 // - 1 to 4 rows (decode at small batch): bound by reading the weight; this loop streams it with fewer
-//   instructions per byte than oneDNN's general kernel (1.2-1.4x faster at one row, single thread).
+//   instructions per byte than oneDNN's general kernel, so it reads the weight faster.
 // - More rows: the same inner loop over tiles of 6 rows, each 64-output block of the weight read from
 //   L2 by every tile, while software prefetches bring the next block into L2 (oneDNN leaves that to
-//   the hardware prefetcher). On this Zen 5, one thread, weights cold in cache as in a model's step
-//   (tools/linear_bench.py), the 100M model's shapes ran at 422-460 GFLOP/s at 128 to 2048 rows
-//   against oneDNN's 390-435, and 384-450 against 327-383 at 64 rows. The weight block must fit in
-//   L2 beside the prefetched next one, so for K over kTiledMaxK (the 1.1B model's down projection)
-//   oneDNN keeps more than 4 rows.
+//   the hardware prefetcher), which outruns oneDNN's kernel from 64 rows up with the weights cold in
+//   cache as in a model's step (tools/linear_bench.py; bench/README.md, 'Measurements behind the code').
+//   The weight block must fit in L2 beside the prefetched next one, so for K over kTiledMaxK (the 1.1B
+//   model's down projection) oneDNN keeps more than 4 rows.
 //
 // The packed layout is oneDNN's AB16b64a2b for a weight [N, K]: blocks of 64 outputs, each
 // holding all of K as chunks of 32 k, a chunk being 16 k-pairs x 64 outputs x 2; N is padded to
@@ -37,7 +36,7 @@ constexpr int64_t kBlockN = 64, kBlockK = 32;
 constexpr int64_t kGemvRows = 4;     // up to this many rows: gemv_blocks, no software prefetch
 constexpr int64_t kTileRows = 6;     // the tiled path's rows per tile (24 accumulators, 4 weight registers)
 constexpr int64_t kTiledMaxK = 2048; // the tiled path's largest padded K: a 256 KiB weight block
-constexpr int64_t kChunkBytes = 256 << 10;  // the tiled path's rows of x at a time (L2 is 1 MiB on Zen 5)
+constexpr int64_t kChunkBytes = 256 << 10;  // the tiled path's rows of x at a time (for a 1 MiB L2, Zen 5's)
 
 constexpr int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
@@ -54,8 +53,8 @@ const uint16_t* packed_data(const at::Tensor& w, int64_t expected_bytes) {
 
 // one block of 64 outputs over all of K (Kp, a multiple of 32) for M rows of x. The block is one
 // contiguous run of memory, and at 1-4 rows the hardware prefetcher alone streams it fastest: software
-// prefetches 2-16 KiB ahead (into L1 or L2) were 3-7% slower at one row on this Zen 5 (all the
-// projections of the 100M and 1.1B models in turn, 12-25 interleaved repetitions) and no faster at four.
+// prefetches a few KiB ahead (into L1 or L2) were slower at one row and no faster at four (bench/README.md,
+// 'Measurements behind the code').
 // The tiled path passes pf: one line of the next block is prefetched into L2 every 2^pf_shift k-pairs.
 template <int M, bool PREFETCH = false>
 inline void block_dot(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, __m512 acc[M][4],
@@ -145,7 +144,7 @@ void gemm_rows(const uint16_t* wb, const uint16_t* x, int64_t ldx, int64_t Kp, i
 }
 
 // M > kGemvRows rows. Work items are (row chunk, block) pairs, chunk-major: a chunk's rows of x stay
-// in L2 while the blocks pass (x re-read from L3 for every block cost 2 threads ~10% at 2048 rows),
+// in L2 while the blocks pass (re-reading x from L3 for every block left it behind oneDNN),
 // and chunks are cut finer where the blocks alone would leave threads idle (fewer than 4 items per
 // thread: the 100M model's 12-block projections on more than 3 threads).
 void gemm(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t M, int64_t N, const uint16_t* bias,

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft-token proposers and their verification against the target model."""

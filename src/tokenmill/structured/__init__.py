@@ -1,0 +1,1 @@
+"""Structured output: token bitmasks for the grammar backends that implement core.structured_output."""

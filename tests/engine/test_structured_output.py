@@ -1,0 +1,118 @@
+"""Structured output end to end: toy grammars installed on the scheduler (an allow-list, and a tiny
+state machine kept from the tokens it is told) constrain their requests' every token, greedy and
+seeded, in float32 and in bf16 (where the fused greedy decode must step aside), with and without
+draft tokens, while the unconstrained requests beside them keep their tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.conftest import random_prompts
+from tests.fixtures import VOCAB
+from tests.spec_decode.test_spec_decode import Garbage, Oracle
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.request import Request
+from tokenmill.core.structured_output import NoStructuredOutput
+from tokenmill.structured.bitmask import pack_allowed
+
+PROMPTS = random_prompts(6, 4, 30, seed=50)
+ALLOWED = sorted(random_prompts(1, 12, 12, seed=51)[0])  # what request 0 may say
+ALLOW, PARITY = 0, 1  # constrained prompts; the others are free
+
+
+class ToyGrammar:
+    """Prompt ALLOW may say only ALLOWED; prompt PARITY must alternate even and odd tokens, even first,
+    the state advanced by the tokens the scheduler reports (and checked against the request's own)."""
+
+    def __init__(self) -> None:
+        self.allow = pack_allowed(ALLOWED, VOCAB)
+        self.parity = [pack_allowed(range(p, VOCAB, 2), VOCAB) for p in (0, 1)]
+        self.next_parity: dict[str, int] = {}
+        self.told: dict[str, int] = {}  # tokens reported per request
+        self.freed: list[str] = []
+
+    def grammar_bitmask(self, requests: Sequence[Request], drafts: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
+        out = {}
+        for req in requests:
+            rows = 1 + len(drafts.get(req.request_id, []))
+            if req.prompt_token_ids == PROMPTS[ALLOW]:
+                out[req.request_id] = np.tile(self.allow, (rows, 1))
+            elif req.prompt_token_ids == PROMPTS[PARITY]:
+                assert self.told.get(req.request_id, 0) == req.num_output_tokens
+                p = self.next_parity.setdefault(req.request_id, 0)
+                # row j: after j drafts, as if taken (a draft of the wrong parity is rejected there)
+                out[req.request_id] = np.stack([self.parity[(p + j) % 2] for j in range(rows)])
+        return out
+
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
+        self.told[request.request_id] = self.told.get(request.request_id, 0) + len(token_ids)
+        if request.request_id in self.next_parity:
+            for tok in token_ids:
+                assert tok % 2 == self.next_parity[request.request_id]
+                self.next_parity[request.request_id] ^= 1
+
+    def free(self, request_id: str) -> None:
+        self.freed.append(request_id)
+
+
+def params(seeded: bool) -> list[SamplingParams]:
+    if seeded:
+        return [SamplingParams(temperature=1.0, seed=60 + i, max_tokens=16, ignore_eos=True) for i in range(6)]
+    return [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True) for _ in range(6)]
+
+
+def tokens(llm: LLM, seeded: bool) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params(seeded), use_tqdm=False)]
+
+
+def check(free: list[list[int]], constrained: list[list[int]]) -> None:
+    assert set(constrained[ALLOW]) <= set(ALLOWED) and len(constrained[ALLOW]) == 16
+    assert [t % 2 for t in constrained[PARITY]] == [0, 1] * 8
+    assert constrained[ALLOW] != free[ALLOW] and constrained[PARITY] != free[PARITY]  # the grammar did something
+    assert constrained[2:] == free[2:]
+
+
+def grammar_run(llm: LLM, seeded: bool, proposer: Any = None) -> tuple[list[list[int]], ToyGrammar]:
+    grammar = ToyGrammar()
+    llm.engine.core.scheduler.set_structured_output(grammar)
+    llm.engine.core.executor.runner.set_proposer(proposer)
+    try:
+        return tokens(llm, seeded), grammar
+    finally:
+        llm.engine.core.scheduler.set_structured_output(NoStructuredOutput())
+        llm.engine.core.executor.runner.set_proposer(None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_constrained_requests_obey_and_the_others_keep_their_tokens(llama_dir: str, dtype: str,
+                                                                    seeded: bool) -> None:
+    llm = LLM(llama_dir, dtype=dtype, kv_cache_memory="8MiB", async_scheduling=False)
+    if dtype == "bfloat16":  # the fused greedy decode would take these steps without the bitmask
+        assert llm.engine.core.executor.runner.fused_decode is not None
+    free = tokens(llm, seeded)
+    constrained, grammar = grammar_run(llm, seeded)
+    check(free, constrained)
+    assert sorted(grammar.freed) == sorted(grammar.told) and len(grammar.told) == 6
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_bitmasks_with_draft_tokens(llama_dir: str, seeded: bool) -> None:
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", async_scheduling=False)
+    free = tokens(llm, seeded)
+    constrained, _ = grammar_run(llm, seeded)
+    check(free, constrained)
+    # wrong drafts (most break the grammar too): the same tokens
+    assert grammar_run(llm, seeded, Garbage(3))[0] == constrained
+    # the constrained run's own continuation as drafts: the same tokens, fewer steps
+    sched = llm.engine.core.scheduler
+    before = sched.num_steps
+    grammar_run(llm, seeded)
+    plain_steps, before = sched.num_steps - before, sched.num_steps
+    oracle = Oracle([p + t for p, t in zip(PROMPTS, constrained, strict=True)], 4)
+    assert grammar_run(llm, seeded, oracle)[0] == constrained
+    assert sched.num_steps - before < plain_steps

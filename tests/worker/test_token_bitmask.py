@@ -1,0 +1,100 @@
+"""The token bitmask stage of the sampler: every token it gives is allowed by its row's bitmask, for
+greedy, seeded and unseeded sampling, with filters, penalties and drafts; it runs before the C++
+argmax, which would not see it; rows without a bitmask sample as they would with none given."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.bitmask import pack_allowed
+from tokenmill.worker.sampler import Sampler, apply_token_bitmask
+from tokenmill.worker.sampling_metadata import SamplingRow, metadata_for
+
+VOCAB = 70  # not a multiple of 32: the last word is partly past the vocabulary
+
+
+def row(params: SamplingParams) -> SamplingRow:
+    gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+    return SamplingRow(params, [3, 4, 5, 6], 2, (0,), gen)
+
+
+def test_bitmask_masks_the_clear_bits_and_what_lies_past_it() -> None:
+    logits = torch.zeros(3, VOCAB)
+    masks = [pack_allowed([0, 31, 32, 69], VOCAB), pack_allowed(range(VOCAB), VOCAB), pack_allowed([5], 64)]
+    bitmask = torch.from_numpy(np.stack([np.pad(m, (0, 3 - len(m)), constant_values=0) for m in masks]))
+    apply_token_bitmask(logits, bitmask)
+    assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [0, 31, 32, 69]
+    assert bool(torch.isfinite(logits[1]).all())
+    assert torch.isfinite(logits[2]).nonzero()[:, 0].tolist() == [5]
+    short = torch.zeros(1, VOCAB)
+    apply_token_bitmask(short, torch.from_numpy(pack_allowed(range(64), 64))[None])  # 2 words: 64 tokens
+    assert torch.isfinite(short[0]).nonzero()[:, 0].tolist() == list(range(64))
+
+
+PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0, seed=11),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.0, top_k=3, top_p=0.8, seed=5),
+    SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=2),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded", "random", "filtered", "penalised"])
+def test_every_token_is_allowed(params: SamplingParams) -> None:
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    for trial in range(40):
+        logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(trial)) * 4
+        allowed = [set(rng.sample(range(VOCAB), rng.randint(1, 6))) for _ in range(6)]
+        bitmasks = {i: pack_allowed(a, VOCAB)[None] for i, a in enumerate(allowed)}
+        out = Sampler()(logits, metadata_for([row(params) for _ in range(6)], bitmasks=bitmasks))
+        for (tok,), ok, lg in zip(out.token_ids, allowed, logits, strict=True):
+            assert tok in ok
+            if params.temperature == 0.0 and not params.needs_penalties:
+                assert tok == max(ok, key=lambda t: float(lg[t]))  # the argmax among the allowed
+
+
+def test_rows_without_a_bitmask_sample_as_without_any() -> None:
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    params = [PARAMS[i % len(PARAMS)].clone(seed=100 + i) for i in range(8)]  # every row seeded
+
+    def sample(bitmasks: dict[int, np.ndarray] | None) -> list[list[int]]:
+        return Sampler()(logits, metadata_for([row(p) for p in params], bitmasks=bitmasks)).token_ids
+
+    free = sample(None)
+    constrained = sample({1: pack_allowed([7], VOCAB)[None], 4: pack_allowed([9, 10], VOCAB)[None]})
+    assert constrained[1] == [7] and constrained[4][0] in (9, 10)
+    assert [t for i, t in enumerate(constrained) if i not in (1, 4)] == [t for i, t in enumerate(free)
+                                                                       if i not in (1, 4)]
+
+
+def test_the_cpp_argmax_is_skipped_where_a_bitmask_is_set() -> None:
+    from tokenmill.kernels import load_cpu_kernels
+
+    ops = load_cpu_kernels()
+    assert ops is not None
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)).bfloat16()
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(4)]
+    banned_best = pack_allowed(set(range(VOCAB)) - {int(logits[0].float().argmax())}, VOCAB)
+    meta = metadata_for(rows, bitmasks={0: banned_best[None]})
+    assert not meta.all_plain_greedy
+    out = Sampler(ops)(logits, meta).token_ids
+    assert out[0] != [int(logits[0].float().argmax())]
+    assert out[1:] == [[int(lg.float().argmax())] for lg in logits[1:]]
+
+
+def test_a_bitmask_row_per_draft_position() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 20] = 10.0  # the unconstrained argmax everywhere
+    mask = np.stack([pack_allowed([4, 5], VOCAB), pack_allowed([6], VOCAB), pack_allowed([7, 8], VOCAB)])
+    logits[0, 5] = logits[2, 8] = 1.0
+    meta = metadata_for([row(SamplingParams(temperature=0.0))], drafts={0: [5, 6]}, bitmasks={0: mask})
+    assert Sampler()(logits, meta).token_ids == [[5, 6, 8]]
+    meta = metadata_for([row(SamplingParams(temperature=0.0))], drafts={0: [4, 6]}, bitmasks={0: mask})
+    assert Sampler()(logits, meta).token_ids == [[5]]
