@@ -10,14 +10,15 @@ from typing import Any
 import pytest
 
 from tokenmill import SamplingParams
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SEED_MAX
 
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
         ({"top_k": INT64_MAX + 1}, "top_k"),
-        ({"seed": INT64_MAX + 1}, "seed"),
+        ({"seed": SEED_MAX + 1}, "seed"),  # what torch's generator and the wire take
+        ({"seed": SEED_MAX, "n": 2}, "seed"),  # the second sequence would draw from seed + 1
         ({"seed": INT64_MIN - 1}, "seed"),
         ({"n": 129}, "n"),
         ({"max_tokens": INT64_MAX + 1}, "max_tokens"),
@@ -50,6 +51,7 @@ def test_the_bounds_themselves_are_accepted() -> None:
                        logit_bias={5: -math.inf, 6: 100.0}, stop=["\U0001f600"])
     assert p.top_k == INT64_MAX and p.seed == INT64_MAX and p.logit_bias[5] == -math.inf
     assert SamplingParams(seed=INT64_MIN).seed == INT64_MIN
+    assert SamplingParams(seed=INT64_MAX, n=128).seed == INT64_MAX  # the OpenAI server's largest, with n children
 
 
 def test_float_fields_are_floats() -> None:

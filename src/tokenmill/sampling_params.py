@@ -19,6 +19,7 @@ _GREEDY_EPS = 1e-5
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes [INT64_MIN, SEED_MAX]; so does the wire
 MAX_N = 128  # OpenAI's limit on choices per prompt
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
@@ -74,6 +75,7 @@ class SamplingParams:
                 raise ValueError(message)
 
     def _checks(self) -> list[tuple[bool, str]]:
+        last_child = self.n - 1 if _is_int(self.n) else 0  # child i of n draws from seed + i
         return [
             (_in(self.n, 1, MAX_N), f"n must be an integer in [1, {MAX_N}], got {self.n!r}"),
             (_finite(self.temperature) and self.temperature >= 0,
@@ -82,8 +84,8 @@ class SamplingParams:
             (_in(self.top_k, 0, INT64_MAX),
              f"top_k must be -1 (off) or an integer in [0, 2**63 - 1], got {self.top_k!r}"),
             (_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or _in(self.seed, INT64_MIN, INT64_MAX),
-             f"seed must be a signed 64-bit integer, got {self.seed!r}"),
+            (self.seed is None or _in(self.seed, INT64_MIN, SEED_MAX - last_child),
+             f"seed must be an integer in [-2**63, 2**64 - n], got {self.seed!r}"),
             (self.max_tokens is None or _in(self.max_tokens, 1, INT64_MAX),
              f"max_tokens must be an integer in [1, 2**63 - 1], got {self.max_tokens!r}"),
             (_in(self.min_tokens, 0, INT64_MAX),

@@ -149,10 +149,10 @@ def test_overflowing_top_k_leaves_the_engine_serving(http: httpx.Client) -> None
 
 def test_int64_edges_are_accepted(server: RemoteServer) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
-    for seed in (2**63 - 1, -(2**63)):
+    for seed in (2**63 - 1, -(2**63)):  # with n=2 the second sequence draws from seed + 1
         out = client.completions.create(model=client.models.list().data[0].id, prompt="x", max_tokens=2, seed=seed,
-                                        extra_body={"priority": seed})
-        assert out.choices[0].finish_reason == "length"
+                                        n=2, extra_body={"priority": seed})
+        assert [c.finish_reason for c in out.choices] == ["length", "length"]
 
 
 def test_errors_keep_the_connection_usable(http: httpx.Client) -> None:
