@@ -34,7 +34,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (or set TOKENMILL_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
+                        "/version (or set TOKENMILL_API_KEY)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or template text) "
                    "that replaces the tokenizer's")
     p.add_argument("--max-queue-len", type=int, default=None,
