@@ -3,6 +3,7 @@ fixture model, and the beams' sharing of KV blocks through the prefix cache."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -12,7 +13,10 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.fixtures import MODEL_SPECS, hf_beam_search
-from tokenmill import LLM, BeamSearchParams
+from tokenmill import LLM, BeamSearchOutput, BeamSearchParams
+from tokenmill.config import EngineArgs
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.beam_search import beam_search_async
 
 PROMPTS = random_prompts(4, 3, 40, seed=5)
 MAX_TOKENS = 10
@@ -109,3 +113,25 @@ def test_output_shape(llama_dir: str) -> None:
         llm.beam_search("x", object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="vocabulary"):
         llm.beam_search("x", BeamSearchParams(300, 2))
+
+
+def test_async_driver_matches(llama_dir: str) -> None:
+    """beam_search_async, the server's way (AsyncLLM, its core in its own process), gives LLM.beam_search's
+    sequences, and leaves no request behind."""
+    params = BeamSearchParams(3, 6, ignore_eos=True, length_penalty=0.5)
+    prompt = PROMPTS[1]
+    expected = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB").beam_search([prompt], params)[0]
+
+    async def main() -> tuple[BeamSearchOutput, int]:
+        engine = await AsyncLLM.from_engine_args(EngineArgs(llama_dir, dtype="float32", kv_cache_memory="8MiB"))
+        try:
+            out = await beam_search_async(engine, {"prompt_token_ids": prompt}, params)
+            return out, engine.num_unfinished_requests
+        finally:
+            await engine.shutdown()
+
+    got, unfinished = asyncio.run(main())
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
+    assert [s.score for s in got.sequences] == pytest.approx([s.score for s in expected.sequences])
+    assert [s.text for s in got.sequences] == [s.text for s in expected.sequences]
+    assert unfinished == 0

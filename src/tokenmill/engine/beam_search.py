@@ -23,16 +23,18 @@ The rules (transformers `_beam_search`, early_stopping=False):
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.input_processor import PromptType
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.input_processor import InputProcessor, PromptType
     from tokenmill.engine.llm_engine import LLMEngine
 
 
@@ -168,27 +170,58 @@ def position_logprobs(out: RequestOutput) -> PositionLogprobs:
     return completion.logprobs[0]
 
 
+def new_search(inputs: InputProcessor, prompt: PromptType, params: BeamSearchParams) -> BeamSearchState:
+    """A prompt's search, its prompt tokenized and checked as a request's is."""
+    state = BeamSearchState(inputs.tokenize(prompt).prompt_token_ids, params, inputs.eos_token_ids,
+                            inputs.config.max_model_len)
+    vocab = inputs.config.arch.vocab_size
+    if state.num_candidates > vocab:
+        raise ValueError(f"beam_width {params.beam_width} needs {state.num_candidates} candidates per step, "
+                         f"more than the vocabulary's {vocab} tokens")
+    return state
+
+
 def beam_search(engine: LLMEngine, prompts: Sequence[PromptType],
                 params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Search every prompt at once: each step sends the live beams of all prompts as one batch."""
-    tokenizer = engine.get_tokenizer()
-    vocab = engine.config.model.arch.vocab_size
-    states = []
-    for prompt in prompts:
-        state = BeamSearchState(engine.input_processor.tokenize(prompt).prompt_token_ids, params,
-                                engine.input_processor.eos_token_ids, engine.config.model.max_model_len)
-        if state.num_candidates > vocab:
-            raise ValueError(f"beam_width {params.beam_width} needs {state.num_candidates} candidates per "
-                             f"step, more than the vocabulary's {vocab} tokens")
-        states.append(state)
+    states = [new_search(engine.input_processor, prompt, params) for prompt in prompts]
     while live := [s for s in states if not s.done]:
         outputs = _run_step(engine, [(s, ids) for s in live for ids in s.pending()])
         for state in live:
             n = len(state.live)
             state.advance([position_logprobs(o) for o in outputs[:n]])
             outputs = outputs[n:]
-    decode = None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
+    decode = _decoder(engine.get_tokenizer())
     return [s.result(decode) for s in states]
+
+
+async def beam_search_async(engine: AsyncLLM, prompt: PromptType, params: BeamSearchParams) -> BeamSearchOutput:
+    """One prompt's search over the server's AsyncLLM: each step's beams are concurrent requests, so
+    they pass its admission limits as beam_width requests (QueueFullError when they do not fit)."""
+    state = new_search(engine.input_processor, prompt, params)
+    while not state.done:
+        tasks = [asyncio.ensure_future(_final_output(engine, ids, step_params(state))) for ids in state.pending()]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:  # one failed (or the caller cancelled): the others are aborted
+            for task in tasks:
+                task.cancel()
+            raise
+        state.advance([position_logprobs(o) for o in outputs])
+    return state.result(_decoder(engine.get_tokenizer()))
+
+
+async def _final_output(engine: AsyncLLM, token_ids: list[int], params: SamplingParams) -> RequestOutput:
+    last = None
+    async for out in engine.generate({"prompt_token_ids": token_ids}, params):
+        last = out
+    if last is None:
+        raise RuntimeError("a beam search step request ended without an output")
+    return last
+
+
+def _decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:
+    return None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
 
 
 def _run_step(engine: LLMEngine, requests: list[tuple[BeamSearchState, list[int]]]) -> list[RequestOutput]:
