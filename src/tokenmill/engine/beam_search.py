@@ -96,8 +96,8 @@ class _Beam:
 
 class BeamSearchState:
     """One prompt's search: `pending()` are the next step's requests (one per live beam), and
-    `advance()` takes each one's top-K logprobs for its next position. Driver-agnostic: the sync
-    driver below and an async one over AsyncLLM feed it the same way."""
+    `advance()` takes each one's top-K logprobs for its next position. Both drivers, beam_search (over
+    LLMEngine) and beam_search_async (over AsyncLLM), feed it the same way."""
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams,
                  eos_token_ids: Sequence[int], max_model_len: int) -> None:
