@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from tests.conftest import random_prompts
+from tests.engine.test_containment import Faulty
 from tests.fixtures import MODEL_SPECS, hf_beam_search
 from tokenmill import LLM, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
@@ -135,3 +136,20 @@ def test_async_driver_matches(llama_dir: str) -> None:
     assert [s.score for s in got.sequences] == pytest.approx([s.score for s in expected.sequences])
     assert [s.text for s in got.sequences] == [s.text for s in expected.sequences]
     assert unfinished == 0
+
+
+def test_a_failed_step_ends_the_search_and_leaves_nothing_behind(llama_dir: str) -> None:
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", async_scheduling=False)
+    params = BeamSearchParams(2, 6, ignore_eos=True)
+    expected = llm.beam_search(PROMPTS[:2], params)
+    runner = llm.engine.core.executor.runner
+    model = runner.model
+    runner.model = Faulty(model, fail_calls={3})
+    runner.fused_decode = None
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.beam_search(PROMPTS[:2], params)
+    kv = llm.engine.core.scheduler.kv
+    assert not llm.engine.has_unfinished_requests() and kv.num_free_blocks == llm.engine.core.num_blocks
+    runner.model = model
+    assert [[s.tokens for s in o.sequences] for o in llm.beam_search(PROMPTS[:2], params)] == \
+        [[s.tokens for s in o.sequences] for o in expected]
