@@ -107,3 +107,24 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = _hf_model(model_dir)(torch.tensor([token_ids])).logits[0]
     return logits.float().log_softmax(-1)
+
+
+def hf_beam_search(model_dir: str, prompt_ids: list[int], num_beams: int, max_new_tokens: int,
+                   length_penalty: float, eos_token_ids: list[int] | None) -> list[tuple[list[int], float]]:
+    """Reference: transformers beam search, float32, early_stopping=False, all num_beams hypotheses
+    returned best first as (generated token ids, EOS included; length-penalised score)."""
+    from transformers import GenerationConfig
+
+    model = _hf_model(model_dir)
+    model.generation_config.eos_token_id = None  # only what this call passes
+    gen = GenerationConfig(do_sample=False, num_beams=num_beams, num_return_sequences=num_beams,
+                           max_new_tokens=max_new_tokens, min_new_tokens=0, length_penalty=length_penalty,
+                           early_stopping=False, eos_token_id=eos_token_ids, pad_token_id=EOS, bos_token_id=BOS,
+                           return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                             dtype=torch.long), generation_config=gen)
+    # beam_indices holds -1 past each hypothesis' last generated token: it gives each one's length
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
+    seqs = out.sequences[:, len(prompt_ids):].tolist()
+    return [(s[:n], float(score)) for s, n, score in zip(seqs, lengths, out.sequences_scores.tolist())]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"
 
 

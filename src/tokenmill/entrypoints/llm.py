@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineArgs
+from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -46,6 +47,14 @@ class LLM:
             self.engine.abort_request(ids)
             raise ValueError(f"prompt {len(ids)}: {e}") from None
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Per prompt, the beam_width best sequences, best first (engine/beam_search.py: transformers'
+        rules; the beams share their prefix's full KV blocks through the prefix cache)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params must be a BeamSearchParams")
+        return beam_search(self.engine, self._as_list(prompts), params)
 
     def chat(
         self,
