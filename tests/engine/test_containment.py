@@ -14,8 +14,10 @@ import pytest
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.engine import input_processor
 from tokenmill.engine.async_engine import AsyncLLM, RequestFailedError
+from tokenmill.engine.core_client import CoreClient
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -119,3 +121,30 @@ def test_the_server_front_end_fails_the_request_and_serves_the_others(llama_dir:
 
     message, tokens = asyncio.run(main())
     assert "the engine step failed" in message and len(tokens) == 12
+
+
+def test_a_request_the_core_cannot_decode_fails_alone(llama_dir: str) -> None:
+    # the core process validates SamplingParams again as it decodes each request: one that fails there
+    # (sent past the front end's validation) ends alone, by its id, instead of ending the core
+    args = EngineArgs(llama_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=512)
+    prompt = random_prompts(1, 5, 20, seed=12)[0]
+    bad = GREEDY.clone()
+    bad.top_p = 7.0  # out of (0, 1]
+
+    async def main() -> dict[str, EngineCoreOutput]:
+        client = CoreClient(args)
+        try:
+            await client.wait_ready()
+            client.add_requests([EngineCoreRequest("bad", prompt, bad), EngineCoreRequest("good", prompt, GREEDY)])
+            last: dict[str, EngineCoreOutput] = {}
+            while not ("good" in last and last["good"].finished):
+                for out in (await asyncio.wait_for(client.get_output(), 60)).outputs:
+                    last[out.request_id] = out
+            return last
+        finally:
+            client.shutdown()
+
+    last = asyncio.run(main())
+    assert last["bad"].finish_reason == "error" and "could not be decoded" in str(last["bad"].stop_reason)
+    assert "top_p" in str(last["bad"].stop_reason)
+    assert last["good"].finish_reason == "length"

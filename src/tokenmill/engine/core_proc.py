@@ -21,10 +21,11 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs
 from tokenmill.engine.wire import (
     ABORT,
     ADD,
@@ -40,7 +41,9 @@ from tokenmill.engine.wire import (
     UtilityCall,
     UtilityResult,
     decode,
+    decode_request,
     encode,
+    request_id_of,
 )
 from tokenmill.fast_exit import fast_exit
 
@@ -124,8 +127,8 @@ class CoreLoop:
                 return
             kind, msg = decode(frames)
             if kind == ADD:
-                for req in msg:
-                    self._add(req)
+                for raw in msg:
+                    self._add(raw)
             elif kind == ABORT:
                 self._send(self.core.abort_requests(msg.request_ids))
             elif kind == UTILITY:
@@ -134,11 +137,17 @@ class CoreLoop:
                 self.stopping = True
                 return
 
-    def _add(self, req: EngineCoreRequest) -> None:
+    def _add(self, raw: msgspec.Raw) -> None:
+        """Add one request; one the core cannot take ends at once with the error (the front end waits
+        for its outputs), and never ends the core."""
+        request_id = request_id_of(raw)
         try:
-            self.core.add_request(req)
-        except ValueError as e:  # the front end keeps ids unique; never let one request kill the core
-            logger.error("rejected request %s: %s", req.request_id, e)
+            self.core.add_request(decode_request(raw))
+        except Exception as e:
+            logger.error("rejected request %s: %s", request_id, e)
+            if request_id is not None:
+                output = EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=str(e))
+                self._send(EngineCoreOutputs([output], None, time.time()))
 
     def _utility(self, call: UtilityCall) -> None:
         if call.method not in UTILITY_METHODS:

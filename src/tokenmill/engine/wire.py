@@ -53,12 +53,35 @@ class EngineDeadError(RuntimeError):
 
 
 encode = msgspec.msgpack.Encoder().encode
+# ADD carries each request undecoded: the core decodes them one by one (decode_request), so that a
+# request it cannot decode fails alone, by its id, instead of the whole message
 _DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
-    ADD: msgspec.msgpack.Decoder(list[EngineCoreRequest]), ABORT: msgspec.msgpack.Decoder(AbortRequests),
+    ADD: msgspec.msgpack.Decoder(list[msgspec.Raw]), ABORT: msgspec.msgpack.Decoder(AbortRequests),
     UTILITY: msgspec.msgpack.Decoder(UtilityCall), OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
     UTILITY_RESULT: msgspec.msgpack.Decoder(UtilityResult), READY: msgspec.msgpack.Decoder(CoreReady),
     FAILED: msgspec.msgpack.Decoder(CoreFailed),
 }
+
+
+_REQUEST = msgspec.msgpack.Decoder(EngineCoreRequest)
+_FIELDS = msgspec.msgpack.Decoder(list[Any])
+
+
+def decode_request(raw: msgspec.Raw) -> EngineCoreRequest:
+    """One request of an ADD message (ValueError where it does not decode or validate)."""
+    try:
+        return _REQUEST.decode(raw)
+    except (msgspec.DecodeError, ValueError, TypeError) as e:
+        raise ValueError(f"the request could not be decoded: {e}") from None
+
+
+def request_id_of(raw: msgspec.Raw) -> str | None:
+    """The id of an encoded request (its first field), where it has one."""
+    try:
+        fields = _FIELDS.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    return fields[0] if fields and isinstance(fields[0], str) else None
 
 
 def decode(frames: list[bytes]) -> tuple[bytes, Any]:

@@ -73,6 +73,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     add_special_tokens: bool = True
+    # vLLM's beam search extras: n beams, the best n returned, ranked by cum_logprob / len ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0
 
 
 class TextPart(OpenAIRequest):

@@ -3,6 +3,7 @@ prompt logprobs (lm-eval's loglikelihood scoring, max_tokens=0 included), stream
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -10,9 +11,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenmill.engine.async_engine import RequestStream
+from tokenmill.engine.async_engine import QueueFullError, RequestStream
+from tokenmill.engine.beam_search import BeamSearchParams, beam_search_async
 from tokenmill.engine.input_processor import ProcessedPrompt
-from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -23,6 +25,7 @@ from tokenmill.entrypoints.openai.protocol import (
 from tokenmill.entrypoints.openai.serving_engine import (
     REQUEST_ID_HEADER,
     OpenAIServing,
+    RequestIds,
     collect_final,
     merge_streams,
     sse_stream,
@@ -39,6 +42,8 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
+        if req.use_beam_search:
+            return await self._beam_search(req, raw, prompts, ids)
         prompt_logprobs = req.logprobs if req.echo else None
         params = [self.sampling_params(req, 1 if echo_only else self.max_tokens(len(p.prompt_token_ids),
                                                                                  req.max_tokens),
@@ -54,6 +59,42 @@ class OpenAIServingCompletion(OpenAIServing):
         response = CompletionResponse(id=ids.response_id, model=self.ctx.model_name, choices=choices,
                                       usage=view.usage())
         return JSONResponse(response.model_dump(), headers=headers)
+
+    async def _beam_search(self, req: CompletionRequest, raw: Request, prompts: list[ProcessedPrompt],
+                           ids: RequestIds) -> Response:
+        """vLLM's `use_beam_search`: each prompt's n best beams (engine/beam_search.py), not streamed."""
+        if req.stream:
+            raise bad_request("use_beam_search does not stream; send stream: false", "stream")
+        if req.echo or req.logprobs is not None:
+            raise bad_request("use_beam_search returns neither echo nor logprobs", "use_beam_search")
+        try:
+            params = [BeamSearchParams(beam_width=req.n, ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
+                                       max_tokens=self.max_tokens(len(p.prompt_token_ids), req.max_tokens))
+                      for p in prompts]
+        except ValueError as e:
+            raise bad_request(str(e), "use_beam_search") from None
+        engine = self.ctx.engine
+        searches = [beam_search_async(engine, {"prompt_token_ids": p.prompt_token_ids}, bp)
+                    for p, bp in zip(prompts, params, strict=True)]
+        try:
+            outs = await self.guard(raw, asyncio.gather(*searches))
+        except QueueFullError as e:  # each step admits n requests against the queue limits
+            raise APIError("rate_limit_exceeded", str(e)) from None
+        except ValueError as e:
+            raise bad_request(str(e), "use_beam_search") from None
+        tokenizer = engine.get_tokenizer()
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(outs):
+            for j, seq in enumerate(out.sequences[:req.n]):
+                tokens = seq.output_token_ids
+                completion_tokens += len(tokens)
+                choices.append(CompletionChoice(index=i * req.n + j, text=tokenizer.decode(tokens),
+                                                finish_reason=seq.finish_reason))
+        prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        response = CompletionResponse(id=ids.response_id, model=self.ctx.model_name, choices=choices, usage=usage)
+        return JSONResponse(response.model_dump(), headers={REQUEST_ID_HEADER: ids.header})
 
     async def _stream(self, request_id: str, view: _ChoiceBuilder,
                       streams: list[RequestStream]) -> AsyncIterator[str]:
