@@ -74,6 +74,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     add_special_tokens: bool = True
     # vLLM's beam search extras: n beams, the best n returned, ranked by cum_logprob / len ** length_penalty
+    # vLLM's: the top k logprobs of every prompt token after the first, in each choice (`prompt_logprobs`)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0
 
@@ -178,10 +180,19 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
+    # vLLM's shape: per prompt position, None for the first, else {token id: its logprob} for the actual
+    # token and the top `prompt_logprobs` ones
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

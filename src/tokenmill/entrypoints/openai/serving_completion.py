@@ -20,6 +20,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
@@ -44,7 +45,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
         if req.use_beam_search:
             return await self._beam_search(req, raw, prompts, ids)
-        prompt_logprobs = req.logprobs if req.echo else None
+        prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if req.echo
+                                                                                       else None)
         params = [self.sampling_params(req, 1 if echo_only else self.max_tokens(len(p.prompt_token_ids),
                                                                                  req.max_tokens),
                                        req.logprobs, prompt_logprobs, bool(req.stream)) for p in prompts]
@@ -143,6 +145,7 @@ class _ChoiceBuilder:
         self.prompts = prompts
         self.echo_only = echo_only
         self.echoed: set[int] = set()
+        self.prompt_lp_sent: set[int] = set()
         self.offsets: dict[int, int] = {}
         self.completion_tokens = 0
 
@@ -172,11 +175,25 @@ class _ChoiceBuilder:
         logprobs = None
         if self.req.logprobs is not None:
             logprobs = self._logprobs(index, token_ids, entries)
+        prompt_lp = self._prompt_logprobs(index, comp, out)
         if self.echo_only:  # max_tokens=0: the one token generated is not part of the answer
-            return CompletionChoice(index=index, text=text, logprobs=logprobs,
+            return CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=prompt_lp,
                                     finish_reason="length" if comp.finish_reason else None)
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=comp.finish_reason,
-                                stop_reason=comp.stop_reason)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=prompt_lp,
+                                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+
+    def _prompt_logprobs(self, index: int, comp: CompletionOutput,
+                         out: RequestOutput | None) -> list[dict[str, PromptLogprob] | None] | None:
+        """`prompt_logprobs` in vLLM's shape, once per choice (in a stream: with its first tokens, when
+        the prompt's logprobs are complete)."""
+        if self.req.prompt_logprobs is None or index in self.prompt_lp_sent:
+            return None
+        if out is None or not out.prompt_logprobs or not (comp.token_ids or comp.finish_reason is not None):
+            return None
+        self.prompt_lp_sent.add(index)
+        return [None if entry is None else
+                {str(t): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=self._token(t, entry))
+                 for t, e in entry.items()} for entry in out.prompt_logprobs]
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.serving.tokenizer.decode(ids))
