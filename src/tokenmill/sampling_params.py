@@ -52,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # -inf bans a token
+    # token sequences the output must not contain: each one's last token is banned where the output ends
+    # with the rest of it (a one-token sequence is banned everywhere)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -61,6 +64,8 @@ class SamplingParams:
         self.stop_token_ids = _coerce("stop_token_ids", self.stop_token_ids, lambda v: [int(t) for t in v or []])
         self.logit_bias = _coerce("logit_bias", self.logit_bias,
                                   lambda v: {int(k): float(x) for k, x in (v or {}).items()})
+        self.bad_words_token_ids = _coerce("bad_words_token_ids", self.bad_words_token_ids,
+                                           lambda v: [[int(t) for t in w] for w in v or []])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -109,6 +114,8 @@ class SamplingParams:
             (all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS or v == -math.inf for v in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100] (or -inf, which bans the token)"),
             (all(0 <= k <= INT64_MAX for k in self.logit_bias), "logit_bias keys must be non-negative token ids"),
+            (all(w and all(0 <= t <= INT64_MAX for t in w) for w in self.bad_words_token_ids),
+             "bad_words_token_ids must be non-empty lists of non-negative token ids"),
         ]
 
     @property

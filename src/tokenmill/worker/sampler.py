@@ -55,6 +55,16 @@ def apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow],
         if p.needs_penalties:
             n = row.num_prompt_tokens
             apply_penalties(logits[i], p, row.token_ids[:n], row.token_ids[n:])
+        if p.bad_words_token_ids:
+            banned = bad_word_bans(p.bad_words_token_ids, row.token_ids[row.num_prompt_tokens:])
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word after these output tokens."""
+    return [w[-1] for w in words if len(w) == 1 or (len(w) - 1 <= len(output) and output[len(output) - len(w) + 1:]
+                                                     == w[:-1])]
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> None:

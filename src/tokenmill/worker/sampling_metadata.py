@@ -43,7 +43,7 @@ def plain_greedy_from(params: SamplingParams, num_prompt_tokens: int) -> float:
     """The sequence length (prompt + outputs) from which sampling is plain greedy: greedy with
     nothing that changes or reports the logits, once min_tokens is reached; inf if never."""
     p = params
-    if p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties:
+    if p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties and not p.bad_words_token_ids:
         return num_prompt_tokens + p.min_tokens
     return math.inf
 
@@ -151,7 +151,8 @@ class SamplingTable:
         plain_from = plain_greedy_from(p, row.num_prompt_tokens)
         self.never_plain[i] = plain_from == math.inf
         self.pending_plain[i] = len(row.token_ids) < plain_from < math.inf
-        self.processors[i] = p.min_tokens > 0 or bool(p.logit_bias) or p.needs_penalties
+        self.processors[i] = (p.min_tokens > 0 or bool(p.logit_bias) or p.needs_penalties
+                              or bool(p.bad_words_token_ids))
         self.logprobs[i] = -1 if p.logprobs is None else p.logprobs
         self.index[req_id] = i
         self.req_ids.append(req_id)

@@ -139,7 +139,8 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=self._logit_bias(req), skip_special_tokens=req.skip_special_tokens,
+                logit_bias=self._logit_bias(req), bad_words_token_ids=self._bad_words(req),
+                skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:
@@ -159,19 +160,17 @@ class OpenAIServing:
                 raise bad_request(f"allowed_token_ids has token id {max(allowed)}, out of vocabulary (valid ids "
                                   f"are 0..{self.vocab_size - 1})", "allowed_token_ids")
             bias.update((t, -math.inf) for t in range(self.vocab_size) if t not in allowed)
-        for word in req.bad_words or []:
-            bias.update((t, -math.inf) for t in self._bad_word_tokens(word))
         return bias
 
-    def _bad_word_tokens(self, word: str) -> list[int]:
-        """The token a bad word is, at the start of a text and after a space (vLLM's two spellings);
-        a word of more than one token would need a ban that depends on the tokens before it."""
-        spellings = {word.lstrip(), " " + word.lstrip()}
-        tokens = [self.tokenize_text(s, add_special_tokens=False, param="bad_words") for s in spellings]
-        if any(len(t) != 1 for t in tokens):
-            raise bad_request(f"bad_words entry {word!r} is more than one token: bad words of several tokens are "
-                              "not supported yet (those of one token are)", "bad_words", "unsupported_parameter")
-        return [t[0] for t in tokens]
+    def _bad_words(self, req: SamplingRequest) -> list[list[int]]:
+        """Each bad word as token ids, at the start of a text and after a space (vLLM's two spellings)."""
+        words: list[list[int]] = []
+        for word in req.bad_words or []:
+            for spelling in dict.fromkeys((word.lstrip(), " " + word.lstrip())):
+                tokens = self.tokenize_text(spelling, add_special_tokens=False, param="bad_words")
+                if tokens and tokens not in words:
+                    words.append(tokens)
+        return words
 
     def submit(self, prompts: list[ProcessedPrompt], params: list[SamplingParams], request_id: str,
                priority: int = 0) -> list[RequestStream]:
