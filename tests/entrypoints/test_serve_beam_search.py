@@ -3,26 +3,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
 from tests.conftest import random_prompts
+from tests.entrypoints.conftest import FLOAT32_NAME as NAME
 from tests.entrypoints.server import RemoteServer
 from tokenmill import LLM, BeamSearchParams
 
-NAME = "tiny"
 PROMPTS = random_prompts(2, 4, 20, seed=21)
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir: str) -> Iterator[RemoteServer]:
-    srv = RemoteServer(llama_dir, "--served-model-name", NAME, "--dtype", "float32")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(float32_server: RemoteServer) -> RemoteServer:
+    return float32_server
 
 
 def test_beam_search_answers_the_n_best_beams(server: RemoteServer, llama_dir: str) -> None:

@@ -4,26 +4,21 @@ token's logprob and the top k, as the offline LLM gives them; streamed once per 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.conftest import random_prompts
+from tests.entrypoints.conftest import FLOAT32_NAME as NAME
 from tests.entrypoints.server import RemoteServer
 from tokenmill import LLM, SamplingParams
 
-NAME = "tiny"
 PROMPT = random_prompts(1, 12, 12, seed=31)[0]
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir: str) -> Iterator[RemoteServer]:
-    srv = RemoteServer(llama_dir, "--served-model-name", NAME, "--dtype", "float32")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(float32_server: RemoteServer) -> RemoteServer:
+    return float32_server
 
 
 def _expected(llama_dir: str) -> list[dict[int, float] | None]:
