@@ -1,5 +1,6 @@
-"""vLLM's `prompt_logprobs` on /v1/completions: per prompt position (None for the first) the actual
-token's logprob and the top k, as the offline LLM gives them; streamed once per choice."""
+"""vLLM's `prompt_logprobs`: per prompt position (None for the first) the actual token's logprob and
+the top k, as the offline LLM gives them; on /v1/completions (streamed once per choice) and on chat
+(not streamed, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,17 @@ def test_prompt_logprobs_are_bounded(server: RemoteServer) -> None:
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 21}
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_chat_answers_carry_the_prompt_logprobs(server: RemoteServer) -> None:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
+            "prompt_logprobs": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    entries = data["prompt_logprobs"]
+    assert len(entries) == data["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(1 <= len(e) <= 2 and all("logprob" in v for v in e.values()) for e in entries[1:])
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True},
+                          headers=server.headers, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

@@ -41,6 +41,8 @@ class SamplingRequest(OpenAIRequest):
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
+    # vLLM's: the top k logprobs of every prompt token after the first (`prompt_logprobs` in the answer)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
@@ -74,8 +76,6 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     add_special_tokens: bool = True
     # vLLM's beam search extras: n beams, the best n returned, ranked by cum_logprob / len ** length_penalty
-    # vLLM's: the top k logprobs of every prompt token after the first, in each choice (`prompt_logprobs`)
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0
 
@@ -240,6 +240,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, as on completions
 
 
 class DeltaMessage(BaseModel):

@@ -33,6 +33,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     collect_final,
     merge_streams,
+    prompt_logprobs_json,
     sse_stream,
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
@@ -44,13 +45,15 @@ class OpenAIServingChat(OpenAIServing):
         ids = self.request_ids(raw, req, "chatcmpl")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if req.stream and req.prompt_logprobs is not None:  # as vLLM: they come with the whole answer
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                              req.chat_template_kwargs, req.truncate_prompt_tokens)
         param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         max_tokens = self.max_tokens(len(prompt.prompt_token_ids), requested, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs, None, bool(req.stream))
+        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, bool(req.stream))
         streams = self.submit([prompt], [params], ids.engine_id, req.priority)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
@@ -61,8 +64,12 @@ class OpenAIServingChat(OpenAIServing):
                               logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in final.outputs]
+        prompt_lp = None
+        if req.prompt_logprobs is not None and final.prompt_logprobs:
+            prompt_lp = prompt_logprobs_json(final.prompt_logprobs, lambda t, _: str(self.tokenizer.decode([t])))
         response = ChatCompletionResponse(id=ids.response_id, model=self.ctx.model_name, choices=choices,
-                                          usage=_usage(prompt, sum(len(c.token_ids) for c in final.outputs)))
+                                          usage=_usage(prompt, sum(len(c.token_ids) for c in final.outputs)),
+                                          prompt_logprobs=prompt_lp)
         return JSONResponse(response.model_dump(), headers=headers)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,

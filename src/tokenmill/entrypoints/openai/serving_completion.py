@@ -29,6 +29,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     RequestIds,
     collect_final,
     merge_streams,
+    prompt_logprobs_json,
     sse_stream,
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -191,9 +192,7 @@ class _ChoiceBuilder:
         if out is None or not out.prompt_logprobs or not (comp.token_ids or comp.finish_reason is not None):
             return None
         self.prompt_lp_sent.add(index)
-        return [None if entry is None else
-                {str(t): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=self._token(t, entry))
-                 for t, e in entry.items()} for entry in out.prompt_logprobs]
+        return prompt_logprobs_json(out.prompt_logprobs, self._token)
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.serving.tokenizer.decode(ids))

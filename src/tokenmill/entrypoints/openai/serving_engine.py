@@ -11,7 +11,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,9 +20,9 @@ from starlette.requests import Request
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
-from tokenmill.entrypoints.openai.protocol import SamplingRequest
+from tokenmill.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from tokenmill.entrypoints.openai.request_types import IGNORED_FIELDS, REQUEST_ID_PATTERN
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -284,6 +284,15 @@ async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
     async for i, out in merge_streams(streams):
         finals[i] = out
     return finals
+
+
+def prompt_logprobs_json(entries: list[PositionLogprobs | None],
+                         token_text: Callable[[int, PositionLogprobs], str]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: its logprob, rank and
+    text} for the actual token and the top k."""
+    return [None if entry is None else
+            {str(t): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=token_text(t, entry))
+             for t, e in entry.items()} for entry in entries]
 
 
 def sse(payload: str) -> str:
