@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # the dtypes weights and activations run in
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,6 @@ class KVCacheConfig:
     @property
     def bytes_per_block(self) -> int:
         return sum(g.spec.page_size_bytes * len(g.layer_names) for g in self.groups)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
 
     @property
     def sliding_window(self) -> int | None:

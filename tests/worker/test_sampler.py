@@ -383,17 +383,17 @@ def test_plain_greedy_from_matches_what_plain_greedy_means() -> None:
 def test_runner_samples_by_argmax_alone_only_while_every_row_is_plain_greedy(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     # this module's engine is float32, where the C++ argmax does not apply: stand torch's in for it, so
-    # that the runner's choice between argmax alone and the full sampler is what is tested
+    # that the sampler's choice between argmax alone and its full path is what is tested
     sampler = llm.engine.core.executor.runner.sampler
     monkeypatch.setattr(sampler, "argmax", lambda logits: logits.argmax(dim=-1).tolist())
     calls: list[int] = []
-    full_sampler = Sampler.__call__
+    full_sampler = Sampler._choose  # the sampler's full path, past its argmax-alone shortcut
 
-    def spy(self: Sampler, logits: torch.Tensor, meta: SamplingMetadata) -> Any:
+    def spy(logits: torch.Tensor, meta: SamplingMetadata) -> Any:
         calls.append(meta.num_rows)
-        return full_sampler(self, logits, meta)
+        return full_sampler(logits, meta)
 
-    monkeypatch.setattr(Sampler, "__call__", spy)
+    monkeypatch.setattr(Sampler, "_choose", staticmethod(spy))
     prompts = random_prompts(2, 8, 8, seed=6)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     plain = llm.generate(prompts, greedy, use_tqdm=False)

@@ -16,13 +16,12 @@ import math
 from dataclasses import dataclass
 
 from tokenmill.arch import ArchConfig
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from tokenmill.kv_cache_spec import DTYPE_BYTES, FLOAT_DTYPES
 
 
 def dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} unknown; choose from {', '.join(DTYPE_BYTES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} unknown; choose from {', '.join(FLOAT_DTYPES)}")
     return DTYPE_BYTES[dtype]
 
 

@@ -48,9 +48,3 @@ class Executor(ABC):
         self.kv_cache_config = plan_kv_cache(specs[0], cache.kv_cache_bytes, cache.num_kv_blocks)
         self.collective_rpc("initialize_kv_cache", (self.kv_cache_config,))
         return self.kv_cache_config
-
-    @property
-    def num_blocks(self) -> int:
-        if self.kv_cache_config is None:
-            raise RuntimeError("the KV cache is not initialized yet")
-        return self.kv_cache_config.num_blocks

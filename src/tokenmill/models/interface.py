@@ -41,7 +41,7 @@ class CausalLM(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Consume (checkpoint name, tensor) pairs; returns the names of the parameters filled whole
-        (fused parameters report their shards through their layers' `missing_shards`)."""
+        (a linear layer's parameters, shard by shard, are its own record: `LinearBase.missing_weights`)."""
         ...
 
 

@@ -43,17 +43,14 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.device = torch.device(config.device.device)
-        self.arch = config.model.arch
         self.block_size = kv_config.block_size
-        self.num_blocks = kv_config.num_blocks
         self.sliding_window = kv_config.sliding_window
         self.kv_caches = kv_caches
         # fault the pool in while idle, each group's tensor; begins after the first step
         self._populate = [BackgroundPopulate(t, block_dim=d) for t, d in kv_caches.groups]
         self.states: dict[str, CachedRequestState] = {}
         self.failed: dict[str, str] = {}  # requests whose state could not be built, until they finish
-        self.eos_token_ids = self.arch.eos_token_ids
-        self.sampling = SamplingTable(self.eos_token_ids)  # the states' sampling parameters, one row each
+        self.sampling = SamplingTable(config.model.arch.eos_token_ids)  # the states' sampling parameters, one row each
         self.sampler = Sampler(ops)
         self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it
@@ -133,19 +130,17 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, meta, rows)
         if sampling is not None:
-            self._sample(hidden, step, out, sampling, greedy)
+            self._sample(hidden, step, out, sampling)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
             out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], st, pos0))
         return out
 
-    def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput, sampling: SamplingMetadata,
-                greedy: bool) -> None:
+    def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput,
+                sampling: SamplingMetadata) -> None:
         if len(step.logits_indices) < hidden.shape[0]:  # the model gave every row's
             hidden = hidden.index_select(0, torch.tensor(step.logits_indices, device=self.device))
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
-        ids = self.sampler.argmax(logits) if greedy else None
-        sampled = SamplerOutput(sampling.runs(ids)) if ids is not None else self.sampler(logits, sampling)
-        self._record(step, out, sampled)
+        self._record(step, out, self.sampler(logits, sampling))  # (plain greedy rows: the C++ argmax alone)
 
     @staticmethod
     def _record(step: StepBatch, out: ModelRunnerOutput, sampled: SamplerOutput) -> None:

@@ -210,10 +210,8 @@ class OpenAIServing:
         if task in done:
             try:
                 return task.result()
-            except EngineDeadError as e:
-                raise engine_dead(e) from None
-            except RequestFailedError as e:
-                raise request_failed(e) from None
+            except (EngineDeadError, RequestFailedError) as e:
+                raise api_error_of(e) from None
         if watcher in done:
             raise APIError("client_closed", "the client closed the connection")
         raise timed_out(self.ctx.request_timeout)
@@ -229,6 +227,19 @@ def _param_of(error: ValueError) -> str:
 def request_failed(error: RequestFailedError) -> APIError:
     """The engine failed this request alone (a bug, not the input): a 500 that says so."""
     return APIError("request_failed", f"the engine failed this request: {error}")
+
+
+def api_error_of(error: BaseException) -> APIError:
+    """The OpenAI error for an exception a request ends with: its own where it is one, the engine's
+    death (503) or this request's failure in the engine (500), else an internal error (a bug, logged)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return engine_dead(error)
+    if isinstance(error, RequestFailedError):
+        return request_failed(error)
+    logger.error("unhandled error in a request", exc_info=error)
+    return APIError("internal_error", f"internal server error: {type(error).__name__}")
 
 
 def timed_out(timeout: float | None) -> APIError:
@@ -305,15 +316,8 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for payload in events:
             yield sse(payload)
-    except APIError as e:
-        error = e
-    except EngineDeadError as e:
-        error = engine_dead(e)
-    except RequestFailedError as e:
-        error = request_failed(e)
-    except Exception as e:  # a bug: the stream still ends as the client expects
-        logger.exception("unhandled error in a stream")
-        error = APIError("internal_error", f"internal server error: {type(e).__name__}")
+    except Exception as e:  # a bug too: the stream still ends as the client expects
+        error = api_error_of(e)
     if error is not None:
         yield sse(error.body().model_dump_json())
     yield sse("[DONE]")

@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenmill.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from tokenmill.engine.async_engine import RequestStream
 from tokenmill.engine.input_processor import ProcessedPrompt
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import ChatMessage, ErrorResponse, SamplingRequest
@@ -40,10 +40,9 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     ServerContext,
+    api_error_of,
     collect_final,
-    engine_dead,
     merge_streams,
-    request_failed,
 )
 
 logger = logging.getLogger(__name__)
@@ -344,7 +343,7 @@ class OpenAIServingResponses(OpenAIServing):
                     text += comp.text
                     yield event("response.output_text.delta", delta=comp.text, logprobs=[], **where)
         except Exception as e:
-            error = _api_error(e)
+            error = api_error_of(e)
             yield event("error", code=error.code, message=error.message, param=error.param)
             failed = job.skeleton.model_copy(update=dict(
                 status="failed", error=ResponseError(code=error.code or error.type, message=error.message)))
@@ -358,17 +357,6 @@ class OpenAIServingResponses(OpenAIServing):
         yield event("response.content_part.done", part=response.output[0].content[0], **where)
         yield event("response.output_item.done", output_index=0, item=response.output[0])
         yield event(f"response.{response.status}", response=response)
-
-
-def _api_error(error: Exception) -> APIError:
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, EngineDeadError):
-        return engine_dead(error)
-    if isinstance(error, RequestFailedError):
-        return request_failed(error)
-    logger.exception("a /v1/responses stream failed")
-    return APIError("internal_error", f"internal server error: {type(error).__name__}: {error}")
 
 
 def register(app: FastAPI, ctx: ServerContext, max_stored: int = MAX_STORED_RESPONSES) -> None:
