@@ -77,14 +77,15 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_
     return out_dir
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int,
+              bad_words_ids: list[list[int]] | None = None) -> list[int]:
     """Reference: transformers generate, greedy, float32, EOS ignored (so lengths are fixed)."""
     from transformers import GenerationConfig
 
     model = _hf_model(model_dir)
     model.generation_config.eos_token_id = None
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
-                           eos_token_id=None, pad_token_id=EOS, bos_token_id=BOS)
+                           eos_token_id=None, pad_token_id=EOS, bos_token_id=BOS, bad_words_ids=bad_words_ids)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
                              dtype=torch.long), generation_config=gen)
