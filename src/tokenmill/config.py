@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
+import logging
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -16,6 +18,8 @@ from typing import Any
 import psutil
 
 from tokenmill.arch import ArchConfig, load_arch_config
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -65,6 +69,100 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     attention_backend: str
+    speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
+
+
+# speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
+SPECULATIVE_METHODS = ("ngram", "draft_model", "lookahead", "medusa")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: the proposer `method`, `num_speculative_tokens` (k, the most drafts a
+    step verifies per request), the draft checkpoint (`model`: draft_model's smaller model, medusa's
+    heads), prompt lookup's n-gram lengths, lookahead's pool, and the adaptive rule's bounds."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    lookahead_ngram: int = 4  # lookahead: the length of the n-grams its pool keeps (key of n - 1, then k)
+    lookahead_pool_size: int = 64  # lookahead: continuations kept per key
+    draft_kv_cache_memory: int = 256 * 2**20  # draft_model: bytes of the draft's own KV cache
+    # adaptive: proposing stops for the step when the batch has more running requests than this ...
+    max_batch_size: int = 32
+    # ... and a request's k shrinks to what its acceptance (an EWMA of accepted / proposed) pays for
+    adaptive: bool = True
+
+    @classmethod
+    def create(cls, raw: dict[str, Any] | None, target: ModelConfig) -> SpeculativeConfig | None:
+        """Validated once at start-up: one ValueError that says what to change."""
+        if raw is None:
+            return None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        method = raw.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method {method!r} unknown; choose from {list(SPECULATIVE_METHODS)}")
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        try:
+            spec = cls(**raw)
+        except TypeError as e:
+            raise ValueError(f"speculative_config: {e}") from None
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "lookahead_pool_size", "draft_kv_cache_memory"):
+            if not isinstance(getattr(spec, name), int) or getattr(spec, name) < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {getattr(spec, name)!r}")
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({spec.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({spec.prompt_lookup_max})")
+        if not isinstance(spec.lookahead_ngram, int) or spec.lookahead_ngram < 2:
+            raise ValueError(f"speculative_config: lookahead_ngram must be >= 2, got {spec.lookahead_ngram!r}")
+        if spec.method in ("draft_model", "medusa") and not spec.model:
+            raise ValueError(f"speculative_config: method {method!r} needs \"model\" (the "
+                             f"{'draft checkpoint' if method == 'draft_model' else 'Medusa heads'} directory)")
+        if spec.method == "draft_model":
+            assert spec.model is not None
+            _check_draft(spec.model, target)
+        return spec
+
+
+def _check_draft(draft_dir: str, target: ModelConfig) -> None:
+    """A draft must share the target's vocabulary and tokenizer and be smaller than it."""
+    try:
+        draft = load_arch_config(draft_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config: the draft model {draft_dir!r} cannot be read: {e}") from None
+    if draft.vocab_size != target.arch.vocab_size:
+        raise ValueError(f"speculative_config: the draft's vocabulary ({draft.vocab_size} tokens) is not the "
+                         f"target's ({target.arch.vocab_size}); a draft must use the target's tokenizer")
+    if _tokenizer_vocab(draft_dir) != _tokenizer_vocab(target.tokenizer):
+        raise ValueError(f"speculative_config: the draft {draft_dir!r} has another tokenizer than the target; "
+                         "a draft must use the target's tokenizer")
+    if _num_params(draft) >= _num_params(target.arch):
+        raise ValueError(f"speculative_config: the draft ({_num_params(draft):,} parameters) is not smaller than "
+                         f"the target ({_num_params(target.arch):,}); choose a smaller draft model")
+
+
+def _tokenizer_vocab(directory: str) -> Any:
+    """The tokenizer's vocabulary as tokenizer.json has it, None where the directory has none."""
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("model", {}).get("vocab")
+
+
+def _num_params(arch: ArchConfig) -> int:
+    """The weights of a decoder of this shape (embeddings, attention, MLP; norms left out)."""
+    attn = arch.hidden_size * arch.head_dim * (2 * arch.num_heads + 2 * arch.num_kv_heads)
+    mlp = 3 * arch.hidden_size * arch.intermediate_size
+    embed = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_layers * (attn + mlp) + embed
 
 
 def parse_memory(value: str | int | float) -> int | float:
@@ -119,6 +217,9 @@ class EngineArgs:
     async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
                                                "where a CPU is free for the scheduling thread beside the compute "
                                                "threads, and always on a GPU)")
+    speculative_config: dict[str, Any] | str | None = _arg(
+        None, "speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"lookahead\" | "
+              "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; turns async scheduling off)")
 
     def create_engine_config(self) -> EngineConfig:
         arch = load_arch_config(self.model)
@@ -133,8 +234,7 @@ class EngineArgs:
 
         if backend not in available_backends():
             raise ValueError(f"attention_backend {backend!r} unknown; choose from {available_backends()}")
-        return EngineConfig(
-            model=ModelConfig(
+        model = ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer or self.model,
                 dtype=dtype,
@@ -142,7 +242,16 @@ class EngineArgs:
                 seed=self.seed,
                 arch=arch,
                 served_model_name=self.served_model_name or self.model,
-            ),
+            )
+        spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
+        async_scheduling = (self.async_scheduling if self.async_scheduling is not None
+                            else default_async_scheduling(device, self.num_threads))
+        if spec is not None and async_scheduling:
+            logger.info("speculative decoding (%s) turns async scheduling off: a step's drafts follow the "
+                        "tokens the step before took", spec.method)
+            async_scheduling = False
+        return EngineConfig(
+            model=model,
             cache=CacheConfig(
                 block_size=self.block_size if self.block_size is not None else default_block_size(device),
                 kv_cache_bytes=self._kv_cache_bytes(),
@@ -153,11 +262,11 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_model_len,
-                async_scheduling=(self.async_scheduling if self.async_scheduling is not None
-                                  else default_async_scheduling(device, self.num_threads)),
+                async_scheduling=async_scheduling,
             ),
             device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels),
             attention_backend=backend,
+            speculative=spec,
         )
 
     def _max_model_len(self, arch: ArchConfig) -> int:
@@ -218,6 +327,19 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def _spec_dict(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """speculative_config as given: a dict (Python), or its JSON (the CLI)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"speculative_config is not valid JSON ({e.msg}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    return parsed
 
 
 def default_block_size(device: str) -> int:

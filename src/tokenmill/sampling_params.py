@@ -55,6 +55,8 @@ class SamplingParams:
     # token sequences the output must not contain: each one's last token is banned where the output ends
     # with the rest of it (a one-token sequence is banned everywhere)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # a reference text's tokens (OpenAI's Predicted Outputs): speculative decoding drafts from it
+    prediction_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -116,6 +118,8 @@ class SamplingParams:
             (all(0 <= k <= INT64_MAX for k in self.logit_bias), "logit_bias keys must be non-negative token ids"),
             (all(w and all(0 <= t <= INT64_MAX for t in w) for w in self.bad_words_token_ids),
              "bad_words_token_ids must be non-empty lists of non-negative token ids"),
+            (self.prediction_token_ids is None or all(_in(t, 0, INT64_MAX) for t in self.prediction_token_ids),
+             "prediction_token_ids must be non-negative token ids"),
         ]
 
     @property

@@ -123,6 +123,7 @@ class InputProcessor:
         check_token_ids(params.logit_bias, vocab, "logit_bias")  # the sampler indexes logits with these
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         check_token_ids([t for w in params.bad_words_token_ids for t in w], vocab, "bad_words_token_ids")
+        check_token_ids(params.prediction_token_ids or [], vocab, "prediction_token_ids")
         max_tokens = resolve_max_tokens(len(prompt.prompt_token_ids), params.max_tokens, self.config.max_model_len)
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)

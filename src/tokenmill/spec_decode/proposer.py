@@ -5,7 +5,9 @@ ModelRunnerOutput.spec_token_ids and are verified the step after (rejection_samp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
@@ -15,6 +17,14 @@ class ProposalInput:
     req_ids: list[str]
     token_ids: list[list[int]]  # each one's prompt and output tokens, this step's included (read only)
     num_new_tokens: list[int]  # how many each took this step (accepted drafts and one more)
+    # the target's final-normed hidden state [num_reqs, hidden] at the position whose logits gave each
+    # request's newest token; filled only for a proposer with a truthy `needs_hidden_states`
+    hidden_states: Any | None = None
+    sampling_params: list[SamplingParams] | None = None  # each request's
+    # each request's token sampled at each row it verified (1 + its drafts), past a rejection too
+    target_token_ids: list[list[int]] | None = None
+    # the most drafts each request may get this step (the adaptive rule's choice; 0: none); None: k each
+    max_drafts: list[int] | None = None
 
 
 class Proposer(Protocol):

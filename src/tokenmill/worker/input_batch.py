@@ -45,6 +45,8 @@ class StepBatch:
     pending_inputs: list[tuple[int, CachedRequestState, int]] = field(default_factory=list)
     # index into sample_states -> the draft tokens it verifies this step (its rows follow its last token's)
     sample_drafts: dict[int, list[int]] = field(default_factory=dict)
+    # index into sample_states -> the token sampled at each of its rows (1 + drafts), where it had drafts
+    verified: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def sample_req_ids(self) -> list[str]:

@@ -53,6 +53,7 @@ class ModelRunner:
         self.sampling = SamplingTable(config.model.arch.eos_token_ids)  # the states' sampling parameters, one row each
         self.sampler = Sampler(ops)
         self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
+        self._hidden: torch.Tensor | None = None  # the sampled rows' hidden states, for a proposer that needs them
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it
         self.fused_decode = FusedDecode.create(model, ops, backend)
         # only the sampled rows through the last layer's attention output and MLP (OutputRows);
@@ -74,6 +75,8 @@ class ModelRunner:
         the step before is still executing, so a decode row whose token that step samples is left
         pending (StepBatch.pending_inputs) and filled in by execute(). None: nothing to run."""
         update_states(self.states, so, self.device, self.sampling, self.failed)
+        if so.finished_req_ids and (done := getattr(self.proposer, "finished", None)) is not None:
+            done(so.finished_req_ids)
         failed = {rid: self.failed[rid] for rid in so.num_scheduled_tokens if rid in self.failed}
         if failed:
             so = _without(so, failed)
@@ -83,6 +86,8 @@ class ModelRunner:
         sampling = None
         if step.sample_states:  # gathered here: the next step's prepare may change the table while this runs
             sampling = self.sampling.view(step.sample_req_ids, step.sample_drafts, so.grammar_bitmask, self.device)
+            if step.sample_drafts and (q := getattr(self.proposer, "draft_probs", None)):
+                sampling.draft_probs = draft_probs_of(step.sample_req_ids, step.sample_drafts, q)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
@@ -121,7 +126,8 @@ class ModelRunner:
         greedy = sampling is not None and sampling.all_plain_greedy  # (and then no bitmask)
         fused = self.fused_decode
         if fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
-            if greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows:
+            if (greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows
+                    and not getattr(self.proposer, "needs_hidden_states", False)):
                 ids = fused.greedy(input_ids, positions, meta)
                 if ids is not None:  # the whole step in one call, to its tokens
                     self._record(step, out, SamplerOutput([[t] for t in ids.tolist()]))
@@ -140,6 +146,8 @@ class ModelRunner:
         if len(step.logits_indices) < hidden.shape[0]:  # the model gave every row's
             hidden = hidden.index_select(0, torch.tensor(step.logits_indices, device=self.device))
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
+        if getattr(self.proposer, "needs_hidden_states", False):
+            self._hidden = hidden
         self._record(step, out, self.sampler(logits, sampling))  # (plain greedy rows: the C++ argmax alone)
 
     @staticmethod
@@ -149,6 +157,9 @@ class ModelRunner:
         for k, (st, pos, tokens) in enumerate(rows):
             st.token_ids.extend(tokens)
             out.sampled_token_ids[pos] = tokens
+            if sampled.row_token_ids:
+                first = sampled.first_rows[k]
+                step.verified[k] = sampled.row_token_ids[first:first + 1 + len(step.sample_drafts.get(k, ()))]
             if sampled.logprobs and (logprobs := sampled.logprobs[k]) is not None:
                 out.logprobs[st.req_id] = logprobs
 
@@ -156,13 +167,34 @@ class ModelRunner:
         assert self.proposer is not None
         states = step.sample_states
         taken = [len(out.sampled_token_ids[p]) for p in step.sample_positions]
-        return self.proposer.propose(ProposalInput([st.req_id for st in states], [st.token_ids for st in states],
-                                                   taken))
+        batch = ProposalInput([st.req_id for st in states], [st.token_ids for st in states], taken,
+                              sampling_params=[st.sampling_params for st in states],
+                              target_token_ids=[step.verified.get(k, out.sampled_token_ids[p])
+                                                for k, p in enumerate(step.sample_positions)])
+        if self._hidden is not None:  # the row whose logits gave each request's newest token
+            rows, first = [], 0
+            for k, n in enumerate(taken):
+                rows.append(first + max(n, 1) - 1)
+                first += 1 + len(step.sample_drafts.get(k, ()))
+            batch.hidden_states = self._hidden.index_select(0, torch.tensor(rows, device=self._hidden.device))
+            self._hidden = None
+        return self.proposer.propose(batch)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, st: CachedRequestState, pos0: int) -> list[LogprobEntry]:
         logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(st.token_ids[pos0:pos0 + hidden.shape[0]], device=self.device)
         return topn_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs or 0)
+
+
+def draft_probs_of(req_ids: list[str], drafts: dict[int, list[int]], q: dict[str, torch.Tensor]
+                   ) -> dict[int, torch.Tensor]:
+    """The proposer's draft distributions for the drafts the step verifies (a prefix of those proposed)."""
+    out = {}
+    for k, d in drafts.items():
+        probs = q.get(req_ids[k])
+        if probs is not None and probs.shape[0] >= len(d):
+            out[k] = probs[:len(d)]
+    return out
 
 
 def _without(so: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:

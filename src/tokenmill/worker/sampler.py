@@ -25,6 +25,9 @@ from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingRow
 class SamplerOutput:
     token_ids: list[list[int]]  # per request: the tokens it takes (accepted drafts, then one more)
     logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)  # per request, per token taken
+    # with drafts: every row's sampled token (past a rejection too), and each request's first row
+    row_token_ids: list[int] = field(default_factory=list)
+    first_rows: list[int] = field(default_factory=list)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -194,7 +197,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if meta.all_plain_greedy and (ids := self.argmax(logits)) is not None:
-            return SamplerOutput(meta.runs(ids))
+            return _with_rows(SamplerOutput(meta.runs(ids)), ids, meta)
         logits = logits.to(torch.float32, copy=True)  # the sampler's own: processors and _choose work in place
         if meta.bitmask is not None:  # before anything else reads the logits
             apply_token_bitmask(logits, meta.bitmask)
@@ -202,7 +205,8 @@ class Sampler:
         if meta.processors:
             apply_logit_processors(logits, [r for _, r in meta.processors], [i for i, _ in meta.processors])
         chosen = self._choose(logits, meta)
-        out = SamplerOutput(meta.runs(chosen.tolist()))
+        row_ids = chosen.tolist()
+        out = _with_rows(SamplerOutput(meta.runs(row_ids)), row_ids, meta)
         if raw_logprobs is not None and meta.logprobs is not None:
             entries = topn_logprobs(raw_logprobs, chosen, max(meta.logprobs))
             for first, run in zip(meta.first_rows, out.token_ids, strict=True):
@@ -223,12 +227,20 @@ class Sampler:
             scaled = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p)
         # probabilities and their running sums, in float32: each is a full pass over [rows, vocab], and a
         # float64 cumsum is many times slower
-        cdf = scaled.softmax(dim=-1).cumsum_(dim=-1)
+        probs = scaled.softmax(dim=-1)
+        cdf = probs.cumsum(dim=-1) if meta.draft_probs else probs.cumsum_(dim=-1)
         u = torch.rand(len(cdf), 1, device=dev)
         for i, gen in meta.generators:
             u[i] = torch.rand(1, generator=gen, device=dev)
         chosen = torch.where(meta.greedy, greedy, inverse_cdf(cdf, u, greedy))
+        seeded = {first: gen for first, gen, _ in meta.seeded_groups}
+        for k, q in meta.draft_probs.items():  # drafts sampled from the proposer's q: min(1, p / q)
+            first = meta.first_rows[k]
+            if not bool(meta.greedy[first]):
+                verify_with_draft_probs(chosen, probs, q, first, meta.drafts[k], seeded.pop(first, None))
         for first, gen, drafts in meta.seeded_groups:
+            if first not in seeded:
+                continue
             # one uniform per token taken: draw row by row, up to the first row whose token is not its
             # draft (where rejection_sampler.accepted_run ends the run)
             for j in range(len(drafts) + 1):
@@ -239,6 +251,36 @@ class Sampler:
                 if j == len(drafts) or int(chosen[r]) != drafts[j]:
                     break
         return chosen
+
+
+def _with_rows(out: SamplerOutput, row_ids: list[int], meta: SamplingMetadata) -> SamplerOutput:
+    if meta.drafts:
+        out.row_token_ids, out.first_rows = row_ids, meta.first_rows
+    return out
+
+
+def verify_with_draft_probs(chosen: torch.Tensor, probs: torch.Tensor, q: torch.Tensor, first: int,
+                            drafts: list[int], gen: torch.Generator | None) -> None:
+    """Speculative sampling for drafts d_j drawn from q_j: d_j is accepted with probability
+    min(1, p_j(d_j) / q_j(d_j)); the first rejected position samples the residual max(0, p_j - q_j),
+    normalised; after all k, position k samples p_k. Writes the rows' tokens into `chosen` (rows past
+    a rejection are left as they are: the accepted run ends there)."""
+    dev = probs.device
+    for j, d in enumerate(drafts):
+        r = first + j
+        p_r, q_r = probs[r], q[j].to(dev, torch.float32)
+        if float(torch.rand(1, generator=gen, device=dev)) * float(q_r[d]) < float(p_r[d]):
+            chosen[r] = d
+            continue
+        residual = (p_r - q_r).clamp_(min=0)
+        residual[d] = 0.0
+        if float(residual.sum()) <= 0:  # p = q up to rounding: p without d
+            residual = p_r.clone()
+            residual[d] = 0.0
+        chosen[r] = torch.multinomial(residual, 1, generator=gen)[0]
+        return
+    r = first + len(drafts)
+    chosen[r] = torch.multinomial(probs[r], 1, generator=gen)[0]
 
 
 def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:

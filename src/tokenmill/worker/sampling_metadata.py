@@ -72,6 +72,8 @@ class SamplingMetadata:
     num_requests: int
     drafts: dict[int, list[int]] = field(default_factory=dict)  # request index -> its drafts
     bitmask: torch.Tensor | None = None  # [R, words] int32 (core/structured_output.py); None: unconstrained
+    # request index -> [drafts, vocab]: the distributions its drafts were sampled from (draft_model)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:

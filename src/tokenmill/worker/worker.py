@@ -19,6 +19,8 @@ from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from tokenmill.layers import use_cpu_kernels
 from tokenmill.layers.linear import UnquantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
+from tokenmill.spec_decode.adaptive import SpecDecoder
+from tokenmill.spec_decode.registry import ProposerContext, create_proposer
 from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
 from tokenmill.worker.memory import keep_freed_memory
 from tokenmill.worker.model_runner import ModelRunner, PreparedStep
@@ -61,6 +63,21 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", kv_config.num_blocks,
                     kv_config.block_size, kv_config.num_blocks * kv_config.block_size, caches.nbytes / 2**20)
         self.model_runner = ModelRunner(self.config, self.model, self.backend, self.ops, kv_config, caches)
+        self._install_proposer()
+
+    def _install_proposer(self) -> None:
+        """The configured speculative method's proposer under the adaptive rule; with none configured and
+        async scheduling off, one that drafts only from requests' Predicted Outputs."""
+        spec = self.config.speculative
+        if spec is None and self.config.scheduler.async_scheduling:
+            return
+        proposer = None
+        if spec is not None:
+            ctx = ProposerContext(self.config, self.device, self.ops)
+            proposer = create_proposer(spec, ctx)
+            logger.info("speculative decoding: %s, up to %d draft tokens a step", spec.method,
+                        spec.num_speculative_tokens)
+        self.runner().set_proposer(SpecDecoder(spec, proposer))
 
     def runner(self) -> ModelRunner:
         if self.model_runner is None:

@@ -1,0 +1,111 @@
+"""The adaptive rule in front of a proposer, and Predicted Outputs' per-request reference drafts.
+
+Speculation pays where a step is bound by reading the weights (small batches) and costs where it is
+bound by compute (large ones): every draft is a row the target computes. Per step:
+
+- with more than `max_batch_size` requests taking tokens, nothing is proposed;
+- else each request keeps an acceptance estimate `a` (an EWMA, weight 0.3, of accepted / proposed
+  over its verified steps, starting at 0.5), and gets the largest k' <= k for which the chance that its
+  k'-th draft is accepted, a ** k', is at least the step's threshold B / (2 * max_batch_size)
+  (B: the requests taking tokens). A request whose estimate gives k' = 0 still gets one draft every
+  `PROBE_EVERY` steps, so the estimate can recover.
+
+A request with a reference text (SamplingParams.prediction_token_ids, from OpenAI's `prediction`) is
+drafted from it by prompt lookup, whatever the configured method and without the rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.spec_decode.ngram import lookup
+from tokenmill.spec_decode.proposer import ProposalInput, Proposer
+
+EWMA_WEIGHT = 0.3
+PRIOR = 0.5
+PROBE_EVERY = 8
+
+
+@dataclass
+class _Acceptance:
+    rate: float = PRIOR
+    idle: int = 0  # steps since the request last got a draft
+
+
+def adaptive_k(rate: float, k: int, batch: int, max_batch_size: int) -> int:
+    """The drafts a request with this acceptance estimate gets in a step of `batch` requests."""
+    if batch > max_batch_size:
+        return 0
+    threshold = batch / (2 * max_batch_size)
+    n = 0
+    while n < k and rate ** (n + 1) >= threshold:
+        n += 1
+    return n
+
+
+class SpecDecoder:
+    """The model runner's proposer: the configured method's (None: Predicted Outputs only), under the
+    adaptive rule."""
+
+    def __init__(self, spec: SpeculativeConfig | None, proposer: Proposer | None) -> None:
+        self.spec, self.proposer = spec, proposer
+        self.k = spec.num_speculative_tokens if spec is not None else 0
+        self.needs_hidden_states = bool(getattr(proposer, "needs_hidden_states", False))
+        self.acceptance: dict[str, _Acceptance] = {}
+        self.proposed: dict[str, int] = {}  # the drafts each request got last step
+
+    @property
+    def draft_probs(self) -> dict[str, Any]:
+        return getattr(self.proposer, "draft_probs", {})
+
+    def finished(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            self.acceptance.pop(rid, None)
+            self.proposed.pop(rid, None)
+        done = getattr(self.proposer, "finished", None)
+        if done is not None:
+            done(req_ids)
+
+    def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        own: list[int] = []  # the requests the method drafts for
+        for i, rid in enumerate(batch.req_ids):
+            self._observe(rid, batch.num_new_tokens[i])
+            params = batch.sampling_params[i] if batch.sampling_params is not None else None
+            reference = params.prediction_token_ids if params is not None else None
+            if reference:
+                drafts = lookup(batch.token_ids[i], max(self.k, 8), 1, 3, reference)
+                if drafts:
+                    out[rid] = drafts
+                    self.proposed[rid] = len(drafts)
+            else:
+                own.append(i)
+        if self.proposer is None or not own or self.spec is None:
+            return out
+        batch.max_drafts = [0] * len(batch.req_ids)
+        for i in own:
+            rid = batch.req_ids[i]
+            acc = self.acceptance.setdefault(rid, _Acceptance())
+            k = self.k
+            if self.spec.adaptive:
+                k = adaptive_k(acc.rate, self.k, len(batch.req_ids), self.spec.max_batch_size)
+                if k == 0 and acc.idle >= PROBE_EVERY and len(batch.req_ids) <= self.spec.max_batch_size:
+                    k = 1
+            batch.max_drafts[i] = k
+            acc.idle = 0 if k else acc.idle + 1
+        if not any(batch.max_drafts):
+            return out
+        place = {rid: i for i, rid in enumerate(batch.req_ids)}
+        for rid, drafts in self.proposer.propose(batch).items():
+            i = place[rid]
+            if rid not in out and drafts and batch.max_drafts[i] > 0:
+                out[rid] = drafts[:batch.max_drafts[i]]
+                self.proposed[rid] = len(out[rid])
+        return out
+
+    def _observe(self, rid: str, taken: int) -> None:
+        """The step's verification of the drafts rid got last step: taken - 1 of them accepted."""
+        n = self.proposed.pop(rid, 0)
+        if n and (acc := self.acceptance.get(rid)) is not None:
+            acc.rate += EWMA_WEIGHT * (min(taken - 1, n) / n - acc.rate)

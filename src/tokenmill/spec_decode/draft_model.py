@@ -1,0 +1,201 @@
+"""The draft-model proposer: a smaller checkpoint with the target's tokenizer, its own paged KV cache
+(planned from its own KVCacheConfig) and its own block allocator, run in the target's step loop.
+
+Each propose() call first brings the draft's cache up to each request's tokens (the first call
+prefills the prompt; later ones feed what the target took since), then runs k - 1 more one-token
+steps, all requests batched. The draft's cache holds its own drafts too: the next call keeps only the
+longest prefix that the request's tokens still share (the rejected drafts' slots are rolled back and
+rewritten). Greedy requests take the draft's argmax; the others sample the draft's temperature-scaled
+distribution q, which the proposer keeps (`draft_probs`) for the sampler's min(1, p/q) rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.arch import load_arch_config
+from tokenmill.attention import get_backend
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.config import SpeculativeConfig
+from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheConfig, plan_kv_cache
+from tokenmill.layers import use_cpu_kernels
+from tokenmill.layers.attention import attention_layers
+from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.models.loader import TORCH_DTYPES, load_model
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.proposer import ProposalInput
+from tokenmill.spec_decode.registry import ProposerContext
+
+
+@dataclass
+class _DraftSeq:
+    seq: list[int] = field(default_factory=list)  # the tokens whose KV the draft's cache holds, in order
+    blocks: list[int] = field(default_factory=list)
+    committed: int = 0  # the length of seq known to be the request's own tokens
+    generator: torch.Generator | None = None
+
+
+class DraftBlocks:
+    """The draft cache's block ids: a free list, and each request's blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    def ensure(self, st: _DraftSeq, num_tokens: int) -> bool:
+        """Blocks for num_tokens positions; False (and nothing taken) where the pool cannot give them."""
+        need = -(-num_tokens // self.block_size) - len(st.blocks)
+        if need > len(self.free):
+            return False
+        for _ in range(max(need, 0)):
+            st.blocks.append(self.free.pop())
+        return True
+
+    def release(self, st: _DraftSeq) -> None:
+        self.free.extend(reversed(st.blocks))
+        st.blocks = []
+
+
+class DraftModelProposer:
+    def __init__(self, k: int, model: Any, backend: AttentionBackend, kv_config: KVCacheConfig,
+                 device: torch.device, max_len: int) -> None:
+        self.k, self.model, self.backend, self.device, self.max_len = k, model, backend, device, max_len
+        self.block_size = kv_config.block_size
+        self.blocks = DraftBlocks(kv_config.num_blocks, kv_config.block_size)
+        self.states: dict[str, _DraftSeq] = {}
+        self.draft_probs: dict[str, torch.Tensor] = {}  # [drafts, vocab] q of the random requests' drafts
+
+    @classmethod
+    def load(cls, spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
+        assert spec.model is not None
+        cfg = ctx.engine_config
+        arch = load_arch_config(spec.model)
+        dtype = TORCH_DTYPES[cfg.model.dtype]
+        model = load_model(spec.model, arch, dtype, ctx.device, UnquantizedLinearMethod(ctx.ops))
+        use_cpu_kernels(model, ctx.ops)
+        backend = get_backend(cfg.attention_backend)
+        layers = attention_layers(model)
+        specs = {name: layer.kv_cache_spec(cfg.cache.block_size, cfg.model.dtype) for name, layer in layers.items()}
+        kv_config = plan_kv_cache(specs, spec.draft_kv_cache_memory)
+        for group in kv_config.groups:
+            pair = (2,) if isinstance(group.spec, FullAttentionSpec) else ()
+            shape = (len(group.layer_names), *pair, kv_config.num_blocks, *group.spec.block_shape())
+            tensor = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=ctx.device)
+            for i, name in enumerate(group.layer_names):
+                layers[name].bind(tensor[i], backend)
+        return cls(spec.num_speculative_tokens, model, backend, kv_config, ctx.device,
+                   min(arch.max_position_embeddings, cfg.model.max_model_len))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.blocks.free)
+
+    def finished(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            st = self.states.pop(rid, None)
+            if st is not None:
+                self.blocks.release(st)
+            self.draft_probs.pop(rid, None)
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+        self.draft_probs = {}
+        active: list[tuple[str, _DraftSeq, int, SamplingParams | None]] = []
+        feeds: list[list[int]] = []
+        for i, (rid, tokens) in enumerate(zip(batch.req_ids, batch.token_ids, strict=True)):
+            k = self.k if batch.max_drafts is None else batch.max_drafts[i]
+            k = min(k, self.max_len - len(tokens))
+            if k <= 0:
+                continue
+            params = batch.sampling_params[i] if batch.sampling_params is not None else None
+            st = self.states.get(rid)
+            if st is None:
+                st = self.states[rid] = _DraftSeq(generator=_generator(params, self.device))
+            c = min(st.committed, len(st.seq))
+            keep = c + _common_prefix(st.seq[c:], tokens[c:])
+            keep = st.committed = min(keep, len(tokens) - 1)  # the last token is fed: its logits give the first draft
+            del st.seq[keep:]
+            if not self.blocks.ensure(st, len(tokens) + k - 1):
+                self.blocks.release(st)  # the draft pool is full: this request starts over later
+                st.seq, st.committed = [], 0
+                continue
+            active.append((rid, st, k, params))
+            feeds.append(list(tokens[keep:]))
+        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in active}
+        probs: dict[str, list[torch.Tensor]] = {}
+        for _ in range(max((k for _, _, k, _ in active), default=0)):
+            if not active:
+                break
+            logits = self._forward([st for _, st, _, _ in active], feeds)
+            nxt: list[tuple[str, _DraftSeq, int, SamplingParams | None]] = []
+            feeds = []
+            for row, (rid, st, k, params) in enumerate(active):
+                tok = self._choose(logits[row], params, st.generator, probs.setdefault(rid, []))
+                drafts[rid].append(tok)
+                if len(drafts[rid]) < k:
+                    nxt.append((rid, st, k, params))
+                    feeds.append([tok])
+            active = nxt
+        for rid, rows in probs.items():
+            if rows:
+                self.draft_probs[rid] = torch.stack(rows)
+        return {rid: d for rid, d in drafts.items() if d}
+
+    def _forward(self, states: list[_DraftSeq], feeds: list[list[int]]) -> torch.Tensor:
+        """Feed each state its tokens (appended to its seq); each one's last row's logits, in order."""
+        order = sorted(range(len(states)), key=lambda j: len(feeds[j]) != 1)  # decodes first
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl, lens, tables, last = [0], [], [], []
+        bs = self.block_size
+        for j in order:
+            st, feed = states[j], feeds[j]
+            start = len(st.seq)
+            for p, tok in enumerate(feed, start):
+                ids.append(tok)
+                pos.append(p)
+                slots.append(st.blocks[p // bs] * bs + p % bs)
+            st.seq.extend(feed)
+            qsl.append(qsl[-1] + len(feed))
+            lens.append(len(st.seq))
+            tables.append(st.blocks)
+            last.append(qsl[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl,
+                                 seq_lens=lens, block_tables=tables,
+                                 num_decodes=sum(1 for j in order if len(feeds[j]) == 1), block_size=bs)
+        self.backend.prepare(meta, dev)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(last, device=dev)))
+        out = torch.empty_like(logits)
+        out[torch.tensor(order, device=dev)] = logits
+        return out
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, params: SamplingParams | None, gen: torch.Generator | None,
+                probs: list[torch.Tensor]) -> int:
+        if params is None or params.greedy:
+            return int(logits.argmax())
+        q = (logits.float() / params.temperature).softmax(dim=-1)
+        probs.append(q)
+        return int(torch.multinomial(q, 1, generator=gen))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _generator(params: SamplingParams | None, device: torch.device) -> torch.Generator | None:
+    """A seeded request's drafts come from a generator of its own, so that its output is reproducible."""
+    if params is None or params.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed)
+    return gen
