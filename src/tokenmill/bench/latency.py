@@ -25,6 +25,7 @@ from typing import Any
 from tokenmill.bench.model_math import ModelCost, decode_floor
 from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
+from tokenmill.bench.spec_workload import run_dataset, spec_fields
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
 
@@ -38,6 +39,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (at most 16 output tokens each)")
     p.add_argument("--vocab-low", type=int, default=10)
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--dataset", default=None, metavar="FILE.jsonl",
+                   help="prompts from a JSONL file ({\"prompt\": text} a line; tools/spec_datasets.py writes "
+                        "copy-heavy and Shakespeare-continuation ones) instead of random token ids: each run "
+                        "generates --output-len tokens for every prompt, --batch-size at a time")
     add_ceiling_args(p)
     EngineArgs.add_cli_args(p)
 
@@ -118,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     engine_args = EngineArgs.from_cli_args(args)
+    if args.dataset is not None:
+        return run_dataset(args, engine_args)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=True,
               **{k: v for k, v in vars(engine_args).items() if k != "model"})
@@ -131,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.warmup):
         llm.engine.reset_prefix_cache()
         llm.generate(prompts, params.clone(max_tokens=min(16, args.output_len)), use_tqdm=False)
+    stats0 = llm.engine.stats
     timings, prefill_source = timed_runs(llm, prompts, params, args.runs)
+    stats1 = llm.engine.stats
 
     steps = args.output_len - 1
     prefill_s = statistics.median(t.prefill_s for t in timings)
@@ -159,5 +168,6 @@ def run(args: argparse.Namespace) -> int:
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),
         "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        **spec_fields(config, stats0, stats1),
     }, ResultSink.from_args(args))
     return 0

@@ -20,6 +20,7 @@ from tokenmill.bench.model_math import ModelCost
 from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
+from tokenmill.bench.spec_workload import spec_fields
 from tokenmill.config import EngineArgs
 
 
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     llm.generate(prompts[:16], [p.clone(max_tokens=min(16, p.max_tokens or 16)) for p in params[:16]],
                  use_tqdm=False)
     walls, steps, outs = [], [], []
+    stats0 = llm.engine.stats
     for _ in range(args.runs):
         llm.engine.reset_prefix_cache()
         steps0 = llm.engine.stats.num_steps
@@ -121,6 +123,6 @@ def run(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefix_caching": config.cache.enable_prefix_caching,
         "async_scheduling": config.scheduler.async_scheduling, "detokenize": args.detokenize,
-        "ignore_eos": args.ignore_eos,
+        "ignore_eos": args.ignore_eos, **spec_fields(config, stats0, llm.engine.stats),
     }, ResultSink.from_args(args))
     return 0

@@ -47,6 +47,46 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0  # cumulative
     num_steps: int = 0  # steps that ran any token, cumulative
     peak_used_blocks: int = 0  # most KV blocks in use at once since start-up
+    # speculative decoding, cumulative (vLLM's spec_decode counters): verifications of a request's
+    # drafts, the drafts verified, those accepted, and those accepted at each draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+
+class SpecDecodeStats:
+    """The scheduler's running speculative-decoding counters (SchedulerStats carries a copy)."""
+
+    def __init__(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+def spec_decode_summary(before: SchedulerStats | None, after: SchedulerStats) -> dict[str, object]:
+    """Acceptance over the steps between two stats: the counters, the acceptance rate, the mean accepted
+    length (tokens a verification takes: accepted drafts and one more) and the rate per draft position."""
+    b = before or SchedulerStats()
+    drafts = after.spec_num_drafts - b.spec_num_drafts
+    tokens = after.spec_num_draft_tokens - b.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - b.spec_num_accepted_tokens
+    per_pos = [n - (b.spec_num_accepted_tokens_per_pos[i] if i < len(b.spec_num_accepted_tokens_per_pos) else 0)
+               for i, n in enumerate(after.spec_num_accepted_tokens_per_pos)]
+    return {
+        "spec_num_drafts": drafts, "spec_num_draft_tokens": tokens, "spec_num_accepted_tokens": accepted,
+        "spec_acceptance_rate": round(accepted / tokens, 4) if tokens else None,
+        "spec_mean_accepted_length": round(1 + accepted / drafts, 4) if drafts else None,
+        "spec_acceptance_rate_per_pos": [round(n / drafts, 4) for n in per_pos] if drafts else [],
+    }
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.messages import EngineCoreOutput, SchedulerStats
+from tokenmill.core.messages import EngineCoreOutput, SchedulerStats, SpecDecodeStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (
     CachedRequestData,
@@ -38,6 +38,7 @@ class Scheduler:
         self._preempted_since_seen: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0  # steps that ran any token, cumulative
+        self.spec = SpecDecodeStats()  # speculative decoding's counters, cumulative
         self.structured_output: StructuredOutput = NoStructuredOutput()
         self._structured = False  # a manager other than the no-op is set: ask it and tell it
 
@@ -235,6 +236,7 @@ class Scheduler:
                 drafts = sched.scheduled_spec_decode_tokens.get(rid)
                 if drafts and new_tokens:  # the rejected drafts' KV is not the sequence's: not computed
                     req.num_computed_tokens -= len(drafts) + 1 - len(new_tokens)
+                    self.spec.observe(len(drafts), len(new_tokens) - 1)
                 self.kv.cache_full_blocks(req)
             prompt_lp = out.prompt_logprobs.get(rid)
             if not new_tokens and prompt_lp is None:
@@ -310,4 +312,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             peak_used_blocks=self.kv.pool.peak_used_blocks,
+            spec_num_drafts=self.spec.num_drafts,
+            spec_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos),
         )

@@ -66,6 +66,23 @@ class EngineMetrics:
         self.preemptions = Counter("tokenmill:num_preemptions", "Sequences preempted.", lab, registry=reg)
         self.finished = Counter("tokenmill:request_finished", "Requests finished, by outcome.",
                                 ["model_name", "finished_reason"], registry=reg)
+        self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Verifications of a request's draft "
+                                   "tokens.", lab, registry=reg)
+        self.spec_draft_tokens = Counter("tokenmill:spec_decode_num_draft_tokens", "Draft tokens verified.", lab,
+                                         registry=reg)
+        self.spec_accepted = Counter("tokenmill:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lab,
+                                     registry=reg)
+        self.spec_accepted_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by draft position.",
+                                             ["model_name", "position"], registry=reg)
+        self.spec_acceptance = Gauge("tokenmill:spec_decode_acceptance_rate", "Accepted / verified draft "
+                                     "tokens since start-up.", lab, registry=reg)
+        self.spec_acceptance_per_pos = Gauge("tokenmill:spec_decode_acceptance_rate_per_pos", "Accepted drafts "
+                                             "at a position / verifications, since start-up.",
+                                             ["model_name", "position"], registry=reg)
+        self.spec_mean_length = Gauge("tokenmill:spec_decode_mean_accepted_length", "Tokens a verification "
+                                      "takes on average (accepted drafts and one more), since start-up.", lab,
+                                      registry=reg)
         self._requests: dict[str, _RequestTimes] = {}
         self._last_stats = SchedulerStats()
 
@@ -126,4 +143,19 @@ class EngineMetrics:
         self.prefix_queries.labels(m).inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.labels(m).inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.labels(m).inc(max(0, stats.num_preemptions - last.num_preemptions))
+        if stats.spec_num_drafts:
+            self._spec_stats(stats, last)
         self._last_stats = stats
+
+    def _spec_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
+        m = self.model_name
+        self.spec_drafts.labels(m).inc(max(0, stats.spec_num_drafts - last.spec_num_drafts))
+        self.spec_draft_tokens.labels(m).inc(max(0, stats.spec_num_draft_tokens - last.spec_num_draft_tokens))
+        self.spec_accepted.labels(m).inc(max(0, stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens))
+        before = last.spec_num_accepted_tokens_per_pos
+        for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(m, str(pos)).inc(max(0, n - (before[pos] if pos < len(before) else 0)))
+            self.spec_acceptance_per_pos.labels(m, str(pos)).set(n / stats.spec_num_drafts)
+        if stats.spec_num_draft_tokens:
+            self.spec_acceptance.labels(m).set(stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens)
+        self.spec_mean_length.labels(m).set(1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts)
