@@ -19,8 +19,8 @@ from typing import Any
 from tokenmill.bench.model_math import ModelCost
 from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
-from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.bench.spec_workload import spec_fields
+from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
 
 

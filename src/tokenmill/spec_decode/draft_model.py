@@ -25,8 +25,7 @@ from tokenmill.layers.attention import attention_layers
 from tokenmill.layers.linear import UnquantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.proposer import ProposalInput
-from tokenmill.spec_decode.registry import ProposerContext
+from tokenmill.spec_decode.proposer import ProposalInput, ProposerContext
 
 
 @dataclass

@@ -27,6 +27,15 @@ class ProposalInput:
     max_drafts: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a method's factory (registry.py) may need from the target's side besides the configs."""
+
+    engine_config: Any  # config.EngineConfig
+    device: Any  # torch.device of the target
+    ops: Any  # tokenmill's C++ CPU kernels, or None
+
+
 class Proposer(Protocol):
     def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
         """Draft tokens to follow each request's tokens (a request left out gets none). The scheduler

@@ -6,21 +6,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from tokenmill.config import SpeculativeConfig
-from tokenmill.spec_decode.proposer import Proposer
-
-
-@dataclass(frozen=True)
-class ProposerContext:
-    """What a method may need from the target's side besides the configs."""
-
-    engine_config: Any  # config.EngineConfig
-    device: Any  # torch.device of the target
-    ops: Any  # tokenmill's C++ CPU kernels, or None
-
+from tokenmill.spec_decode.proposer import Proposer, ProposerContext
 
 Factory = Callable[[SpeculativeConfig, ProposerContext], Proposer]
 

@@ -20,7 +20,8 @@ from tokenmill.layers import use_cpu_kernels
 from tokenmill.layers.linear import UnquantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.spec_decode.adaptive import SpecDecoder
-from tokenmill.spec_decode.registry import ProposerContext, create_proposer
+from tokenmill.spec_decode.proposer import ProposerContext
+from tokenmill.spec_decode.registry import create_proposer
 from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
 from tokenmill.worker.memory import keep_freed_memory
 from tokenmill.worker.model_runner import ModelRunner, PreparedStep

@@ -97,7 +97,7 @@ class ChatMessage(OpenAIRequest):
 
 
 class PredictionContent(OpenAIRequest):
-    """OpenAI's predicted output (a speculation hint); accepted and ignored."""
+    """OpenAI's Predicted Outputs: the reference text speculative decoding drafts from (spec_decode/adaptive.py)."""
 
     type: Literal["content"]
     content: str | list[TextPart]
@@ -167,10 +167,19 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's Predicted Outputs figures: the prediction's tokens that appear in the completion (in
+    order, as difflib matches them) and those that do not."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):

@@ -3,6 +3,7 @@ top_logprobs, streaming deltas (role first, then content, one chunk with finish_
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatStreamChoice,
+    CompletionTokensDetails,
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
@@ -54,10 +56,13 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.max_tokens(len(prompt.prompt_token_ids), requested, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, bool(req.stream))
+        prediction = self._prediction(req)
+        if prediction:
+            params = params.clone(prediction_token_ids=prediction)
         streams = self.submit([prompt], [params], ids.engine_id, req.priority)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
-            return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams)),
+            return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams, prediction)),
                                      media_type="text/event-stream", headers=headers)
         [final] = await self.guard(raw, collect_final(streams))
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
@@ -68,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.prompt_logprobs is not None and final.prompt_logprobs:
             prompt_lp = prompt_logprobs_json(final.prompt_logprobs, lambda t, _: str(self.tokenizer.decode([t])))
         response = ChatCompletionResponse(id=ids.response_id, model=self.ctx.model_name, choices=choices,
-                                          usage=_usage(prompt, sum(len(c.token_ids) for c in final.outputs)),
+                                          usage=_usage(prompt, sum(len(c.token_ids) for c in final.outputs),
+                                                       prediction, [c.token_ids for c in final.outputs]),
                                           prompt_logprobs=prompt_lp)
         return JSONResponse(response.model_dump(), headers=headers)
 
@@ -96,12 +102,13 @@ class OpenAIServingChat(OpenAIServing):
         return [int(t) for t in ids]
 
     async def _stream(self, request_id: str, req: ChatCompletionRequest, prompt: ProcessedPrompt,
-                      streams: list[RequestStream]) -> AsyncIterator[str]:
+                      streams: list[RequestStream], prediction: list[int] | None = None) -> AsyncIterator[str]:
         created, model = int(time.time()), self.ctx.model_name
         opts = req.stream_options
         continuous = bool(opts and opts.continuous_usage_stats)
         finished: set[int] = set()
         completion_tokens = 0
+        tokens: dict[int, list[int]] = {}  # per choice, for the prediction's figures
         first = True
 
         def chunk(choices: list[ChatStreamChoice]) -> str:
@@ -121,6 +128,8 @@ class OpenAIServingChat(OpenAIServing):
                 if c.finish_reason is not None:
                     finished.add(c.index)
                 completion_tokens += len(c.token_ids)
+                if prediction:
+                    tokens.setdefault(c.index, []).extend(c.token_ids)
                 if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
                     continue
                 choices.append(ChatStreamChoice(
@@ -131,7 +140,16 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(choices)
         if opts and opts.include_usage:
             yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                      usage=_usage(prompt, completion_tokens)).model_dump_json()
+                                      usage=_usage(prompt, completion_tokens, prediction,
+                                                   list(tokens.values()))).model_dump_json()
+
+    def _prediction(self, req: ChatCompletionRequest) -> list[int] | None:
+        """The tokens of the request's Predicted Outputs text, None where it has none."""
+        if req.prediction is None:
+            return None
+        content = req.prediction.content
+        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        return self.tokenize_text(text, add_special_tokens=False, param="prediction") or None
 
     def _logprobs(self, comp: CompletionOutput, top: int) -> ChatLogprobs:
         content = []
@@ -152,6 +170,19 @@ class OpenAIServingChat(OpenAIServing):
         return str(self.tokenizer.decode([tid]))
 
 
-def _usage(prompt: ProcessedPrompt, completion_tokens: int) -> UsageInfo:
+def _usage(prompt: ProcessedPrompt, completion_tokens: int, prediction: list[int] | None = None,
+           completions: list[list[int]] | None = None) -> UsageInfo:
     n = len(prompt.prompt_token_ids)
-    return UsageInfo(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)
+    usage = UsageInfo(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)
+    if prediction:
+        accepted = sum(prediction_matches(prediction, c) for c in completions or [[]])
+        usage.completion_tokens_details = CompletionTokensDetails(
+            accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=len(prediction) * max(1, len(completions or [])) - accepted)
+    return usage
+
+
+def prediction_matches(prediction: list[int], completion: list[int]) -> int:
+    """How many of the prediction's tokens appear in the completion, in order (difflib's matching blocks)."""
+    matcher = difflib.SequenceMatcher(None, prediction, completion, autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks())

@@ -1,0 +1,146 @@
+"""The speculative methods end to end on the tiny Llama (ngram, lookahead, draft_model with a one-layer
+draft): greedy output is token-identical to speculation off in mixed batches, with chunked prefill,
+prefix-cache hits and preemption, stops and max_tokens cut where they would; logprobs are the
+target's; seeded random requests are reproducible; no block of either cache is left behind."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import random_prompts
+from tests.fixtures import EOS
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = random_prompts(5, 3, 40, seed=41)
+REPEATS = [p[:6] * 4 for p in random_prompts(2, 6, 6, seed=42)]  # prompt lookup finds these
+SHARED = random_prompts(1, 20, 20, seed=43)[0]
+ALL = PROMPTS + REPEATS + [SHARED + t for t in random_prompts(2, 2, 10, seed=44)]
+
+METHODS = ["ngram", "lookahead", "draft_model"]
+CONFIGS = {
+    "mixed": dict(kv_cache_memory="8MiB"),
+    "chunked_prefill": dict(kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=4),
+    "preemption": dict(num_kv_blocks=14, max_model_len=96),
+}
+
+
+def tiny(model: str, **args: Any) -> LLM:
+    return LLM(model, dtype="float32", block_size=8, num_threads=1, **args)
+
+
+def spec_config(method: str, draft_dir: str, k: int = 3, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"method": method, "num_speculative_tokens": k, **extra}
+    if method == "draft_model":
+        cfg["model"] = draft_dir
+    return cfg
+
+
+def greedy_params() -> list[SamplingParams]:
+    g = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    return [g, g.clone(max_tokens=7), g.clone(logprobs=2), g.clone(repetition_penalty=1.5),
+            g.clone(min_tokens=5, logit_bias={EOS: 40.0}, ignore_eos=False), g.clone(max_tokens=30),
+            g.clone(max_tokens=3), g.clone(stop_token_ids=[], max_tokens=17), g.clone(max_tokens=12)]
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], cold: bool = True) -> list[Any]:
+    if cold:
+        assert llm.engine.reset_prefix_cache()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sched = llm.engine.core.scheduler
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+    return [(c.token_ids, c.finish_reason, c.stop_reason, c.text,
+             [[round(e[t].logprob, 4) for t in sorted(e)] for e in c.logprobs or []])
+            for c in (o.outputs[0] for o in outs)]
+
+
+def draft_cache_is_free(llm: LLM) -> bool:
+    """After the workers hear of the finished requests (with the next step's schedule)."""
+    core = llm.engine.core
+    core.executor.execute_model(core.scheduler.schedule())
+    proposer = core.executor.runner.proposer.proposer
+    if not hasattr(proposer, "blocks"):
+        return True
+    return proposer.num_free_blocks == proposer.blocks.num_blocks and not proposer.states
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir: str) -> Iterator[dict[str, list[Any]]]:
+    out = {}
+    for name, cfg in CONFIGS.items():
+        llm = tiny(llama_dir, async_scheduling=False, **cfg)
+        out[name] = run(llm, ALL, greedy_params())
+    yield out
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_output_is_the_same_as_without_speculation(method: str, config: str, llama_dir: str,
+                                                          draft_dir: str, plain: dict[str, list[Any]]) -> None:
+    llm = tiny(llama_dir, **CONFIGS[config],
+              speculative_config=spec_config(method, draft_dir, adaptive=False))
+    assert not llm.engine.config.scheduler.async_scheduling  # turned off by speculation
+    sched = llm.engine.core.scheduler
+    spec = run(llm, ALL, greedy_params())
+    hits = sched.kv.prefix_hits
+    again = run(llm, ALL, greedy_params(), cold=False)  # now from prefix-cache hits
+    assert spec == again == plain[config]
+    assert sched.kv.prefix_hits > hits
+    assert sched.spec.num_draft_tokens > 0 and sched.spec.num_accepted_tokens > 0
+    if config == "preemption":
+        assert sched.num_preemptions > 0
+    assert draft_cache_is_free(llm)
+
+
+def test_stops_inside_accepted_runs_cut_where_they_would(llama_dir: str, draft_dir: str) -> None:
+    base = tiny(llama_dir, async_scheduling=False, kv_cache_memory="8MiB")
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = run(base, REPEATS, [free] * 2)
+    stop_token, stop_text = full[0][0][6], full[1][3][8:12]
+    params = [free.clone(stop_token_ids=[stop_token]), free.clone(stop=[stop_text])]
+    want = run(base, REPEATS, params)
+    assert want[0][2] == stop_token and want[1][2] == stop_text
+    for method in METHODS:
+        llm = tiny(llama_dir, kv_cache_memory="8MiB",
+                  speculative_config=spec_config(method, draft_dir, k=5, adaptive=False))
+        assert run(llm, REPEATS, params) == want, method
+        assert draft_cache_is_free(llm)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_random_requests_are_reproducible(method: str, llama_dir: str, draft_dir: str) -> None:
+    llm = tiny(llama_dir, kv_cache_memory="8MiB",
+              speculative_config=spec_config(method, draft_dir, adaptive=False))
+    params = [SamplingParams(temperature=0.9, top_k=8, seed=60 + i, max_tokens=16, ignore_eos=True)
+              for i in range(len(ALL))]
+    first = run(llm, ALL, params)
+    assert run(llm, ALL, params) == first
+    assert run(llm, ALL[::-1], params[::-1]) == first[::-1]  # whatever else runs beside it
+
+
+def test_a_thousand_requests_aborted_at_random_leave_no_block_in_either_cache(llama_dir: str,
+                                                                               draft_dir: str) -> None:
+    llm = tiny(llama_dir, num_kv_blocks=64, max_num_seqs=32,
+              speculative_config=spec_config("draft_model", draft_dir, k=4, adaptive=False,
+                                             draft_kv_cache_memory=64 * 8 * 2 * 64 * 4 * 2))
+    engine, sched = llm.engine, llm.engine.core.scheduler
+    rng = random.Random(0)
+    prompts = random_prompts(1000, 2, 30, seed=45)
+    live: list[str] = []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(2, 20), ignore_eos=True)
+        live.append(engine.add_request(None, {"prompt_token_ids": prompt}, params))
+        if i % 8 == 7:
+            for _ in range(rng.randint(0, 3)):
+                engine.step()
+            doomed = rng.sample(live, k=min(len(live), rng.randint(0, 6)))
+            engine.abort_request(doomed)
+            live = [r for r in live if r not in doomed]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sched.spec.num_draft_tokens > 0
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks and not sched.kv.req_blocks
+    assert draft_cache_is_free(llm)
