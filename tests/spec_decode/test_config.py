@@ -1,0 +1,140 @@
+"""speculative_config is validated once at start-up, one clear error per mistake; speculation turns
+async scheduling off; the registry knows every method the config accepts; a proposer that asks for
+hidden states gets the target's, at the row that gave each request's newest token."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import SPECULATIVE_METHODS, EngineArgs
+from tokenmill.spec_decode.adaptive import adaptive_k
+from tokenmill.spec_decode.proposer import ProposalInput
+from tokenmill.spec_decode.registry import PROPOSERS
+
+
+def config_error(model: str, spec: Any) -> str:
+    with pytest.raises(ValueError) as e:
+        EngineArgs(model, speculative_config=spec).create_engine_config()
+    return str(e.value)
+
+
+def test_the_registry_has_every_method_the_config_accepts() -> None:
+    assert set(PROPOSERS) == set(SPECULATIVE_METHODS)
+
+
+def test_bad_configs_are_one_clear_error(llama_dir: str, draft_dir: str, model_dirs: dict[str, str],
+                                         tmp_path: Any) -> None:
+    assert "method 'eagle9' unknown" in config_error(llama_dir, {"method": "eagle9", "num_speculative_tokens": 2})
+    assert "num_speculative_tokens must be an integer >= 1" in config_error(
+        llama_dir, {"method": "ngram", "num_speculative_tokens": 0})
+    assert "unknown field" in config_error(llama_dir, {"method": "ngram", "num_speculative_tokens": 2, "kk": 1})
+    assert "not valid JSON" in config_error(llama_dir, "{method: ngram}")
+    assert "prompt_lookup_min" in config_error(llama_dir, {"method": "ngram", "num_speculative_tokens": 2,
+                                                           "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    assert 'needs "model"' in config_error(llama_dir, {"method": "draft_model", "num_speculative_tokens": 2})
+    larger = {"method": "draft_model", "num_speculative_tokens": 2, "model": llama_dir}
+    assert "not smaller than the target" in config_error(draft_dir, larger)
+    other_vocab = str(tmp_path / "vocab")
+    shutil.copytree(draft_dir, other_vocab)
+    with open(os.path.join(other_vocab, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["vocab_size"] = 1024
+    with open(os.path.join(other_vocab, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert "vocabulary (1024 tokens)" in config_error(
+        llama_dir, {"method": "draft_model", "num_speculative_tokens": 2, "model": other_vocab})
+    other_tok = str(tmp_path / "tok")
+    shutil.copytree(draft_dir, other_tok)
+    with open(os.path.join(other_tok, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(os.path.join(other_tok, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    assert "another tokenizer" in config_error(
+        llama_dir, {"method": "draft_model", "num_speculative_tokens": 2, "model": other_tok})
+
+
+def test_medusa_without_its_module_fails_at_start_with_a_clear_error(llama_dir: str, tmp_path: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tokenmill.spec_decode.medusa") is not None:
+        monkeypatch.setitem(sys.modules, "tokenmill.spec_decode.medusa", None)  # as if it were missing
+    with pytest.raises((ValueError, ImportError)) as e:
+        LLM(llama_dir, dtype="float32", num_threads=1, kv_cache_memory="8MiB",
+            speculative_config={"method": "medusa", "num_speculative_tokens": 2, "model": str(tmp_path)})
+    assert "medusa" in str(e.value)
+
+
+def test_speculation_turns_async_scheduling_off_and_says_so(llama_dir: str, caplog: pytest.LogCaptureFixture
+                                                            ) -> None:
+    with caplog.at_level("INFO"):
+        cfg = EngineArgs(llama_dir, async_scheduling=True,
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config()
+    assert not cfg.scheduler.async_scheduling
+    assert "turns async scheduling off" in caplog.text
+
+
+def test_the_cli_takes_the_flag_and_reports_a_bad_one_in_one_line(llama_dir: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "..", "src")}
+    done = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "latency", "--model", llama_dir,
+                           "--speculative-config", '{"method": "nope", "num_speculative_tokens": 2}'],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "method 'nope' unknown" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_adaptive_rule_shrinks_k_with_batch_and_acceptance() -> None:
+    assert adaptive_k(0.9, 4, 1, 32) == 4
+    assert adaptive_k(0.9, 4, 16, 32) == 4 and adaptive_k(0.6, 4, 16, 32) == 2 and adaptive_k(0.4, 4, 16, 32) == 1
+    assert adaptive_k(0.05, 4, 1, 32) == 1 and adaptive_k(0.01, 4, 1, 32) == 0
+    assert adaptive_k(1.0, 4, 33, 32) == 0  # past max_batch_size: nothing
+
+
+def test_a_large_batch_proposes_nothing(llama_dir: str) -> None:
+    llm = LLM(llama_dir, dtype="float32", num_threads=1, kv_cache_memory="16MiB",
+              speculative_config={"method": "lookahead", "num_speculative_tokens": 3, "max_batch_size": 4})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(12)], params, use_tqdm=False)
+    assert llm.engine.core.scheduler.spec.num_drafts == 0
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
+    assert llm.engine.core.scheduler.spec.num_drafts > 0
+
+
+class HiddenChecker:
+    """Checks that each request's hidden state gives its newest token through lm_head (greedy)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.checked = model, 0
+
+    def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+        assert batch.hidden_states is not None and batch.hidden_states.shape[0] == len(batch.req_ids)
+        newest = self.model.compute_logits(batch.hidden_states).argmax(dim=-1).tolist()
+        assert newest == [t[-1] for t in batch.token_ids]
+        self.checked += len(newest)
+        return {rid: [t[-1]] * 2 for rid, t in zip(batch.req_ids, batch.token_ids, strict=True)}
+
+
+def test_a_proposer_that_needs_hidden_states_gets_the_newest_tokens(llama_dir: str) -> None:
+    llm = LLM(llama_dir, dtype="float32", num_threads=1, kv_cache_memory="8MiB", async_scheduling=False,
+              max_num_batched_tokens=16)
+    runner = llm.engine.core.executor.runner
+    checker = HiddenChecker(runner.model)
+    runner.set_proposer(checker)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with torch.inference_mode():
+        llm.generate([{"prompt_token_ids": [5 + i] * (3 + 7 * i)} for i in range(4)], params, use_tqdm=False)
+    assert checker.checked > 4 * 4
