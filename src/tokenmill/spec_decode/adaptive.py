@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import SpeculativeConfig
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import lookup
 from tokenmill.spec_decode.proposer import ProposalInput, Proposer
 
@@ -54,6 +55,16 @@ class SpecDecoder:
         self.needs_hidden_states = bool(getattr(proposer, "needs_hidden_states", False))
         self.acceptance: dict[str, _Acceptance] = {}
         self.proposed: dict[str, int] = {}  # the drafts each request got last step
+        self.predicting: set[str] = set()  # the requests with a reference text
+
+    @property
+    def active(self) -> bool:
+        """Whether a step's proposal can give anything (else the runner skips it)."""
+        return self.proposer is not None or bool(self.predicting)
+
+    def added(self, req_id: str, params: SamplingParams) -> None:
+        if params.prediction_token_ids:
+            self.predicting.add(req_id)
 
     @property
     def draft_probs(self) -> dict[str, Any]:
@@ -63,6 +74,7 @@ class SpecDecoder:
         for rid in req_ids:
             self.acceptance.pop(rid, None)
             self.proposed.pop(rid, None)
+            self.predicting.discard(rid)
         done = getattr(self.proposer, "finished", None)
         if done is not None:
             done(req_ids)

@@ -77,6 +77,9 @@ class ModelRunner:
         update_states(self.states, so, self.device, self.sampling, self.failed)
         if so.finished_req_ids and (done := getattr(self.proposer, "finished", None)) is not None:
             done(so.finished_req_ids)
+        if so.scheduled_new_reqs and (added := getattr(self.proposer, "added", None)) is not None:
+            for new in so.scheduled_new_reqs:
+                added(new.req_id, new.sampling_params)
         failed = {rid: self.failed[rid] for rid in so.num_scheduled_tokens if rid in self.failed}
         if failed:
             so = _without(so, failed)
@@ -110,7 +113,7 @@ class ModelRunner:
             for populate in self._populate:
                 stack.enter_context(populate.paused())
             out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling)
-            if self.proposer is not None and prepared.step.sample_states:
+            if self.proposer is not None and prepared.step.sample_states and getattr(self.proposer, "active", True):
                 out.spec_token_ids = self._propose(prepared.step, out)
             out.failed = prepared.failed
             return out
