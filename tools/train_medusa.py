@@ -244,7 +244,8 @@ def write_card(out: Path, summary: dict[str, Any]) -> None:
                      "target's tokenizer. *Coriolanus* and *Twelfth Night* are held out (the target never saw "
                      "them either); acceptance is measured on them.")
     else:
-        data_text = f"`{data['train_data']}`, {data['train_stream_tokens']:,} tokens; evaluated on `{data['eval_data']}`."
+        data_text = (f"`{data['train_data']}`, {data['train_stream_tokens']:,} tokens; "
+                     f"evaluated on `{data['eval_data']}`.")
     text = f"""---
 license: apache-2.0
 library_name: tokenmill

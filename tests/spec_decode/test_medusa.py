@@ -3,7 +3,6 @@ not fit the target or the config, and the proposer's chain of drafts from given 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,13 +37,13 @@ def spec(model: Path | str, k: int) -> SimpleNamespace:
     return SimpleNamespace(method="medusa", model=str(model), num_speculative_tokens=k)
 
 
-def proposal(req_ids: list[str], hidden: torch.Tensor | None) -> ProposalInput:
-    """A batch carrying hidden states, whether ProposalInput declares the field or not (yet)."""
+def proposal(req_ids: list[str], hidden: torch.Tensor | None, max_drafts: list[int] | None = None) -> ProposalInput:
+    """A batch carrying hidden states (and the adaptive rule's caps), whether ProposalInput declares
+    those fields or not (yet)."""
     args: dict[str, Any] = dict(req_ids=req_ids, token_ids=[[1, 2]] * len(req_ids), num_new_tokens=[1] * len(req_ids))
-    if "hidden_states" in {f.name for f in dataclasses.fields(ProposalInput)}:
-        return ProposalInput(**args, hidden_states=hidden)
     batch = ProposalInput(**args)
     batch.hidden_states = hidden  # type: ignore[attr-defined]
+    batch.max_drafts = max_drafts  # type: ignore[attr-defined]
     return batch
 
 
@@ -83,6 +82,16 @@ def test_proposer_drafts_the_chain_of_the_first_k_heads_argmaxes(saved: tuple[Me
         drafts = proposer.propose(proposal(["a", "b", "c", "d"], hidden))
         assert drafts == {rid: e[:k] for rid, e in zip("abcd", expected, strict=True)}
     assert proposer.propose(proposal([], torch.zeros(0, HIDDEN))) == {}
+
+
+def test_proposer_keeps_to_each_requests_cap(saved: tuple[MedusaHeads, Path]) -> None:
+    heads = load_medusa_heads(saved[1])
+    hidden = torch.randn(4, HIDDEN)
+    chains = heads(hidden).argmax(-1).t().tolist()
+    proposer = load_medusa_proposer(spec(saved[1], 2), TARGET)
+    drafts = proposer.propose(proposal(list("abcd"), hidden, max_drafts=[0, 1, 3, 2]))
+    assert drafts == {"b": chains[1][:1], "c": chains[2][:2], "d": chains[3][:2]}
+    assert proposer.propose(proposal(list("abcd"), hidden, max_drafts=[0] * 4)) == {}
     assert proposer.propose(proposal(["a"], None)) == {}
 
 

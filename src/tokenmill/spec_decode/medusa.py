@@ -147,11 +147,19 @@ class MedusaProposer:
         if hidden.shape != (len(batch.req_ids), self.heads.config.hidden_size):
             raise ValueError(f"medusa: hidden states of shape {tuple(hidden.shape)} for {len(batch.req_ids)} "
                              f"requests of hidden size {self.heads.config.hidden_size}")
+        # the adaptive rule's cap per request (0: no drafts), where the runner gives one
+        limits: list[int] = getattr(batch, "max_drafts", None) or [self.k] * len(batch.req_ids)
+        rows = [i for i, limit in enumerate(limits) if limit > 0]
+        if not rows:
+            return {}
+        if len(rows) < len(limits):
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
         weight = self.heads.lm_head.weight
         if weight.dtype != hidden.dtype or weight.device != hidden.device:
             self.heads.to(device=hidden.device, dtype=hidden.dtype)
-        drafts = self.heads(hidden, self.k).argmax(dim=-1).t().tolist()  # [num_reqs, k]
-        return dict(zip(batch.req_ids, drafts, strict=True))
+        k = min(self.k, max(limits))
+        drafts = self.heads(hidden, k).argmax(dim=-1).t().tolist()  # [len(rows), k]
+        return {batch.req_ids[i]: d[:limits[i]] for i, d in zip(rows, drafts, strict=True)}
 
 
 def load_medusa_proposer(spec_config: Any, target_model_config: Any) -> MedusaProposer:
