@@ -3,7 +3,7 @@
 Usage (from the repository root; the first line is how ``models/tokenmill-demo-medusa`` was made)::
 
     .venv/bin/python tools/train_medusa.py --target models/tokenmill-demo --out models/tokenmill-demo-medusa \\
-        --steps 360 --seed 1234
+        --steps 300 --seed 1234
     .venv/bin/python tools/train_medusa.py --target DIR --out DIR --steps 5 --text train.txt --eval-text held.txt
 
 Data: by default the demo training text of ``train_demo_models.py`` (``demo_data.training_documents``
@@ -54,17 +54,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, required=True, help="the target model's HF checkpoint directory")
     p.add_argument("--out", type=Path, required=True, help="where the heads' checkpoint goes")
-    p.add_argument("--steps", type=int, default=360)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--batch", type=int, default=4, help="windows per step")
+    p.add_argument("--batch", type=int, default=2, help="windows per step")
     p.add_argument("--seq-len", type=int, default=demo.SEQ_LEN)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--text", type=Path, help="train on this text file instead of the demo training text")
     p.add_argument("--eval-text", type=Path, help="evaluate on this text file instead of the held-out plays")
-    p.add_argument("--eval-positions", type=int, default=2048)
+    p.add_argument("--eval-positions", type=int, default=1024)
     p.add_argument("--eval-context", type=int, default=128, help="tokens of context before each position")
     p.add_argument("--cache-dir", type=Path, default=REPO / "tmp" / "demo-data")
     p.add_argument("--no-card", action="store_true", help="write no README.md")
@@ -290,7 +290,7 @@ other work while it ran, so the time is an upper bound). Reproduce with
 
 ```
 .venv/bin/python tools/train_medusa.py --target models/tokenmill-demo --out models/tokenmill-demo-medusa \\
-    --steps {args["steps"]} --seed {args["seed"]}
+    --steps {args["steps"]} --batch {args["batch"]} --seed {args["seed"]}
 ```
 
 ## Acceptance (greedy)
