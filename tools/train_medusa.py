@@ -32,6 +32,7 @@ import os
 import platform
 import random
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -233,9 +234,9 @@ def write_card(out: Path, summary: dict[str, Any]) -> None:
     """The checkpoint's README.md: architecture, data, recipe and command, acceptance per head."""
     args, stats, m = summary["args"], summary["stats"], summary["metrics"]
     heads = len(m["head_acceptance"])
-    rows = "\n".join(f"| {i} | +{i + 2} | {a:.1%} | {n:.3f} |" for i, (a, n) in
+    rows = "\n".join(f"| {i} | +{i + 1} | {a:.1%} | {n:.3f} |" for i, (a, n) in
                      enumerate(zip(m["head_acceptance"], m["mean_accepted_length"], strict=True)))
-    data = summary["data"]
+    data, name, base = summary["data"], Path(args["out"]).name, Path(args["target"]).name
     if data["train_data"] == "demo":
         docs = data["doc_stats"]
         data_text = (f"The training text of `tokenmill-demo` (`tools/demo_data.py`): the {docs['running_text_docs']} "
@@ -249,17 +250,17 @@ def write_card(out: Path, summary: dict[str, Any]) -> None:
     text = f"""---
 license: apache-2.0
 library_name: tokenmill
-base_model: tokenmill-demo
+base_model: {base}
 ---
 
-# tokenmill-demo-medusa
+# {name}
 
-{heads} Medusa heads for `tokenmill-demo`, trained by tokenmill's `tools/train_medusa.py` with the
+{heads} Medusa heads for `{base}`, trained by tokenmill's `tools/train_medusa.py` with the
 target frozen. Use them for speculative decoding:
 
 ```python
-LLM("models/tokenmill-demo", speculative_config={{"method": "medusa",
-    "model": "models/tokenmill-demo-medusa", "num_speculative_tokens": {heads}}})
+LLM("{args["target"]}", speculative_config={{"method": "medusa",
+    "model": "{args["out"]}", "num_speculative_tokens": {heads}}})
 ```
 
 ## Architecture
@@ -267,7 +268,7 @@ LLM("models/tokenmill-demo", speculative_config={{"method": "medusa",
 Medusa-1 heads on the target's final-normed hidden state h_t (the state whose logits gave the newest
 token): head i (0-based) is {args["layers"]} residual block(s) `z + SiLU(W z + b)` (W {stats["hidden_size"]} x
 {stats["hidden_size"]}, initialised to zero) followed by the target's lm_head, which all heads share and which
-stays frozen (a copy of `tokenmill-demo`'s tied embedding, stored once in `model.safetensors` as
+stays frozen (a copy of `{base}`'s output embedding, stored once in `model.safetensors` as
 `lm_head.weight`). Head i guesses the token i + 1 places after the newest one; the proposal is the
 chain of the heads' argmaxes, verified by the target in one step. {stats["trained_parameters"]:,} trained
 parameters; bfloat16 weights. `config.json`: `model_type` "medusa", `hidden_size`, `vocab_size`,
@@ -275,7 +276,7 @@ parameters; bfloat16 weights. `config.json`: `model_type` "medusa", `hidden_size
 
 ## Data
 
-{data_text}
+{textwrap.fill(data_text, 100)}
 
 ## Training
 
@@ -289,7 +290,7 @@ peak learning rate {float(args["lr"]):g} with 50 warm-up steps and cosine decay 
 other work while it ran, so the time is an upper bound). Reproduce with
 
 ```
-.venv/bin/python tools/train_medusa.py --target models/tokenmill-demo --out models/tokenmill-demo-medusa \\
+.venv/bin/python tools/train_medusa.py --target {args["target"]} --out {args["out"]} \\
     --steps {args["steps"]} --batch {args["batch"]} --seed {args["seed"]}
 ```
 
@@ -302,7 +303,7 @@ a greedy step takes 1 + the number of leading heads accepted tokens (mean accept
 bound of a step's speed-up before the cost of verifying and proposing). Weights as stored (bfloat16)
 evaluated in float32.
 
-| head i | guesses | accepted | mean accepted length with heads 0..i (k = i + 1) |
+| head i | guesses the token after the newest at | accepted | mean accepted length with heads 0..i (k = i + 1) |
 |---|---|---|---|
 {rows}
 

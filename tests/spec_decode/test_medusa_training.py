@@ -74,7 +74,33 @@ def test_train_medusa_trains_heads_that_load_for_their_target(tool: Any, llama_d
     lengths = metrics["mean_accepted_length"]
     assert 1.0 <= lengths[0] and lengths == sorted(lengths)  # one more head never takes fewer tokens
     card = (tmp_path / "a" / "README.md").read_text()
-    assert "--steps 8 --seed 3" in card and f"| 2 | +4 | {metrics['head_acceptance'][2]:.1%} |" in card
+    assert "--steps 8 --batch 2 --seed 3" in card and f"| 2 | +3 | {metrics['head_acceptance'][2]:.1%} |" in card
     # seeded: a second run gives the same weights
     train(tool, llama_dir, texts, tmp_path / "b")
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+SHIPPED, DEMO = REPO / "models" / "tokenmill-demo-medusa", REPO / "models" / "tokenmill-demo"
+
+
+def test_the_shipped_heads_fit_the_demo_model_and_guess_its_greedy_continuation() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert all((SHIPPED / name).is_file() for name in ("config.json", "model.safetensors", "README.md"))
+    config = json.loads((DEMO / "config.json").read_text())
+    proposer = load_medusa_proposer(SimpleNamespace(model=str(SHIPPED), num_speculative_tokens=4),
+                                    SimpleNamespace(**config))
+    target = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    assert torch.equal(proposer.heads.lm_head.weight, target.get_output_embeddings().weight)  # the frozen copy
+    ids = AutoTokenizer.from_pretrained(DEMO)("HAMLET.\nTo be, or not to be, that is the question:\n",
+                                            return_tensors="pt").input_ids
+    with torch.no_grad():
+        seq = target.generate(ids, max_new_tokens=80, do_sample=False)
+        hidden = target.model(input_ids=seq).last_hidden_state[0]
+        guesses = proposer.heads(hidden).argmax(-1)  # [heads, positions]: from h_t, tokens t + 2 + i
+        untrained = proposer.heads.lm_head(hidden).argmax(-1)  # what zero-initialised heads guess
+    start, n = ids.shape[1] - 1, 80 - 5  # positions t whose token t + 1 and four after are generated
+    truth = torch.stack([seq[0, start + 2 + i:start + 2 + i + n] for i in range(4)])
+    accepted = (guesses[:, start:start + n] == truth).float().mean(1)
+    baseline = (untrained[start:start + n] == truth[0]).float().mean()
+    assert accepted[0] > max(0.3, baseline + 0.1), (accepted, baseline)
