@@ -164,7 +164,8 @@ class MedusaProposer:
 
 def load_medusa_proposer(spec_config: Any, target_model_config: Any) -> MedusaProposer:
     """The proposer for ``spec_config`` (``.model``: the heads' directory, ``.num_speculative_tokens``),
-    checked against the target's HF config (``hidden_size``, ``vocab_size``)."""
+    checked against the target's model config (its ``hidden_size`` and ``vocab_size``: the HF config or
+    tokenmill's ArchConfig)."""
     path = getattr(spec_config, "model", None)
     if not path:
         raise ValueError("speculative_config: method 'medusa' needs 'model', the directory of the medusa heads")
