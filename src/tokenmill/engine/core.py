@@ -4,6 +4,7 @@ this process or in its own (core_proc)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -15,8 +16,10 @@ from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.executor.abstract import Executor
 from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # steps in a row that may fail before the engine core gives up
@@ -34,6 +37,9 @@ class EngineCore:
                 f"({config.model.max_model_len}): raise kv_cache_memory or lower max_model_len"
             )
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        # grammars for the requests with structured_outputs; xgrammar and the tokenizer load on the first
+        self.scheduler.set_structured_output(XGrammarBackend(
+            functools.partial(load_tokenizer, config.model.tokenizer), config.model.arch.vocab_size))
         self.num_blocks = num_blocks
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
@@ -123,6 +129,8 @@ class EngineCore:
         while self._in_flight:
             self._in_flight.popleft()[1].result()
         self.executor.shutdown()
+        if isinstance(self.scheduler.structured_output, XGrammarBackend):
+            self.scheduler.structured_output.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
