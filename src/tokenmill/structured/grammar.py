@@ -14,6 +14,9 @@ from tokenmill.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+# whitespace characters allowed between two JSON tokens where any whitespace is: room for indented
+# output, and a bound on a model that would otherwise emit whitespace until max_tokens
+MAX_JSON_WHITESPACE = 24
 GrammarKey = tuple[str, str, bool]  # (kind, the constraint's canonical text, free whitespace in JSON)
 
 
@@ -35,10 +38,10 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
 
     kind, text, any_whitespace = key
     try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace, strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind in ("json", "json_object"):  # json_object: any JSON object (OpenAI's JSON mode)
+            return xgr.Grammar.from_json_schema(
+                text if kind == "json" else '{"type": "object"}', any_whitespace=any_whitespace,
+                strict_mode=kind == "json", max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
