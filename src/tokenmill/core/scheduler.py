@@ -129,9 +129,10 @@ class Scheduler:
             i += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting()
-            if req is None or req.num_output_placeholders:  # preempted with a step in flight: wait for its token
+            next_req = self._next_waiting()
+            if next_req is None or next_req.num_output_placeholders:  # preempted with a step in flight: wait
                 break
+            req = next_req
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             num_computed = req.num_computed_tokens + len(computed) * self.block_size
             n = min(req.num_tokens - num_computed, budget)

@@ -72,10 +72,10 @@ def _check_key(key: GrammarKey) -> None:
 def _schema_text(schema: str | dict[str, Any]) -> str:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            return json.dumps(json.loads(schema), separators=(",", ":"))
         except ValueError:
             return schema  # check_structured_outputs reports it
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def _ebnf_literal(text: str) -> str:

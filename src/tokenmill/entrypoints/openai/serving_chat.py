@@ -96,7 +96,8 @@ class OpenAIServingChat(OpenAIServing):
                      continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
                      plan: ToolPlan | None = None) -> list[int]:
         template = self.ctx.chat_template or getattr(self.tokenizer, "chat_template", None)
-        conv, tools = conversation(messages, plan, template_takes_tools(template if isinstance(template, str) else None))
+        takes_tools = template_takes_tools(template if isinstance(template, str) else None)
+        conv, tools = conversation(messages, plan, takes_tools)
         extra = dict(kwargs or {})
         if tools is not None:
             extra["tools"] = tools

@@ -286,7 +286,7 @@ class ToolCallStream:
         content = self._content(start)
         found = parser.extract(self.text)
         if final and not found.calls:  # what began like a call was not one: it is content after all
-            return (content or "") + self._content(len(self.text)) or None, []
+            return (content or "") + (self._content(len(self.text)) or "") or None, []
         return content, self._complete_calls(found.calls)
 
     def _content(self, end: int) -> str | None:
