@@ -186,3 +186,35 @@ def test_langchain_bind_tools_and_with_structured_output(server: RemoteServer) -
     for method in ("json_schema", "function_calling"):
         pet = model.with_structured_output(Pet, method=method).invoke("a pet, please")
         assert isinstance(pet, Pet), method
+
+
+def flat(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", **tool["function"]}
+
+
+def test_responses_with_text_format_and_tools(client: openai.OpenAI) -> None:
+    fmt: Any = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+    r = client.responses.create(model=NAME, input="a person", text=fmt, max_output_tokens=200, temperature=1.0)
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    assert r.text.format.type == "json_schema"
+    parsed = client.responses.parse(model=NAME, input="a pet", text_format=Pet, max_output_tokens=200)
+    assert isinstance(parsed.output_parsed, Pet)
+    tools: Any = [flat(WEATHER), flat(TIME)]
+    r = client.responses.create(model=NAME, input="weather?", tools=tools, max_output_tokens=120,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    follow = client.responses.create(model=NAME, max_output_tokens=5, tools=tools, tool_choice="none", input=[
+        {"type": "message", "role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow.status in ("completed", "incomplete") and follow.output[0].type == "message"
+    events = list(client.responses.create(model=NAME, input="time?", tools=tools, tool_choice="required",
+                                          max_output_tokens=120, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert done and events[-1].type == "response.completed"
+    for item in done:
+        [tool] = [t for t in tools if t["name"] == item.name]
+        jsonschema.validate(json.loads(item.arguments), tool["parameters"])
+    assert not [e for e in events if e.type == "response.output_text.delta"]  # the call is no text

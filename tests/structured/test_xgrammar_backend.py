@@ -13,8 +13,8 @@ from tokenmill.core.request import Request
 from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.bitmask import allowed_ids
-from tokenmill.structured.xgrammar_backend import XGrammarBackend
 from tokenmill.structured.grammar import grammar_key
+from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 from ..fixtures import EOS, VOCAB
 
@@ -60,7 +60,7 @@ def test_a_request_is_ready_once_its_grammar_is_compiled_in_the_pool(tokenizer: 
 def test_a_grammar_that_cannot_be_built_is_a_value_error(tokenizer: Any) -> None:
     b = backend(tokenizer)
     req = request("bad", grammar="root ::= nothing")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="invalid grammar"):
         b.compile(grammar_key(req.sampling_params.structured_outputs)).result(timeout=60)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="invalid grammar"):
         b.is_ready(req)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokenmill.entrypoints.openai.errors import bad_request
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, SamplingRequest
+from tokenmill.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from tokenmill.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, get_tool_parser
 from tokenmill.entrypoints.openai.tool_protocol import (
     ChatTool,
@@ -28,6 +28,7 @@ from tokenmill.entrypoints.openai.tool_protocol import (
     FunctionCall,
     NamedToolChoice,
     ToolCall,
+    ToolChoice,
 )
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.grammar import check_structured_outputs
@@ -86,9 +87,9 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None
 
 
-def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
-    tools = list(req.tools or [])
-    choice = req.tool_choice
+def plan_tools(tools: list[ChatTool], choice: ToolChoice | None, parallel: bool | None, parser_name: str | None,
+               auto_enabled: bool) -> ToolPlan:
+    """What to do with a request's tools (a 400 where tool_choice cannot be met)."""
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -103,7 +104,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled
     if choice == "none":
         return ToolPlan("none", tools, parser)
     if choice == "required":
-        schema = required_schema(tools, req.parallel_tool_calls is not False)
+        schema = required_schema(tools, parallel is not False)
         plan = ToolPlan("required", tools, parser,
                         constraint=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
     else:
