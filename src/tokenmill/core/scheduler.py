@@ -267,12 +267,15 @@ class Scheduler:
                 continue
             for k, tok in enumerate(new_tokens):
                 req.append_output_token(tok)
-                if self._check_stop(req, tok):  # where one token at a time would have stopped
+                stopped = self._check_stop(req, tok)
+                # told one at a time: a grammar that is complete (nothing but a stop token may follow) ends
+                # the request at that token, as without drafts
+                if self._structured and self.structured_output.accept_tokens(req, [tok]) and not stopped:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    stopped = True
+                if stopped:  # where one token at a time would have stopped
                     new_tokens = new_tokens[:k + 1]
                     break
-            if new_tokens and self._structured and self.structured_output.accept_tokens(req, new_tokens):
-                if not req.is_finished:  # the grammar is complete: nothing but a stop token may follow
-                    req.status = RequestStatus.FINISHED_STOPPED
             if out.spec_token_ids and was_running and not req.is_finished:
                 req.spec_token_ids = out.spec_token_ids.get(rid, [])
             logprobs = out.logprobs.get(rid)
