@@ -139,7 +139,7 @@ class TextConfig(OpenAIRequest):
     verbosity: str | None = None
 
 
-InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem  # a message's "type" may be left out
 
 
 class ResponsesRequest(OpenAIRequest):
@@ -174,6 +174,10 @@ class ResponsesRequest(OpenAIRequest):
     def _reject_unimplemented(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        tools = data.get("tools")
+        if isinstance(tools, list) and any(not isinstance(t, dict) or t.get("type") != "function" for t in tools):
+            raise PydanticCustomError("unsupported_field", "only function tools are supported by tokenmill "
+                                      "('{field}')", {"field": "tools"})
         for key in [k for k in data if k in _NEUTRAL]:
             if data[key] not in _NEUTRAL[key]:
                 raise PydanticCustomError("unsupported_field", "'{field}' is not supported by tokenmill",
