@@ -23,6 +23,7 @@ from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # steps in a row that may fail before the engine core gives up
+IDLE_WAIT_S = 0.001  # a step that scheduled nothing while requests wait sleeps this long
 
 
 class EngineCore:
@@ -108,6 +109,8 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
+        if not so.total_num_scheduled_tokens and self.scheduler.waiting:
+            time.sleep(IDLE_WAIT_S)  # nothing could run (grammars still compiling): the compile thread gets the CPU
         if so.scheduled_new_reqs:  # a request is new to the workers exactly once: its first schedule
             now = time.time()
             self._scheduled.update((r.req_id, now) for r in so.scheduled_new_reqs)
