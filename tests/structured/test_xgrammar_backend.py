@@ -97,3 +97,23 @@ def test_the_end_of_the_grammar_ends_the_request(tokenizer: Any) -> None:
     assert not b.accept_tokens(open_ended, encode(tokenizer, "aa"))  # complete, but more "a" may follow
     b.free("a")
     assert b.grammar_bitmask([done], {}) == {}
+
+
+@pytest.mark.parametrize(("constraint", "says"), [
+    ({"json": {"type": "nope"}}, "invalid JSON schema"), ({"json": "{not json"}, "not valid JSON"),
+    ({"regex": "a(b"}, "invalid regex"), ({"grammar": "root ::= missing"}, "invalid grammar"),
+])
+def test_the_library_refuses_a_bad_constraint_with_a_value_error(constraint: dict[str, Any], says: str) -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
+
+    config = SimpleNamespace(arch=SimpleNamespace(eos_token_ids=(EOS,), vocab_size=VOCAB), max_model_len=64)
+    processor = InputProcessor(cast(ModelConfig, config), None)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match=says):
+        processor.make_request("r", ProcessedPrompt(None, [5, 6]), params)
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
