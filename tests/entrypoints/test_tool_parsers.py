@@ -53,7 +53,9 @@ def test_parsers_find_calls_and_content(name: str, text: str, content: str | Non
 
 
 def test_the_registry_names_every_parser() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    from tokenmill.entrypoints.cli_serve import TOOL_PARSER_NAMES
+
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"} == set(TOOL_PARSER_NAMES)
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         get_tool_parser("nope")
 
