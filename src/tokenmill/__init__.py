@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -34,6 +34,43 @@ class RequestOutputKind(Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint: exactly one of a JSON schema (`json`, a dict or its JSON text),
+    any JSON object (`json_object`), a regular expression, a list of choices, or an EBNF/GBNF grammar.
+    Whether the schema, regex or grammar compiles is checked where the grammar backend lives (the engine's
+    InputProcessor); here only the shape."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        given = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs json must be a JSON schema (an object or its JSON text)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _CONSTRAINTS if getattr(self, k) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -60,6 +97,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token must follow
 
     def __post_init__(self) -> None:
         self.stop = _coerce("stop", self.stop, lambda v: [v] if isinstance(v, str) else list(v or []))
@@ -68,6 +106,11 @@ class SamplingParams:
                                   lambda v: {int(k): float(x) for k, x in (v or {}).items()})
         self.bad_words_token_ids = _coerce("bad_words_token_ids", self.bad_words_token_ids,
                                            lambda v: [[int(t) for t in w] for w in v or []])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs has the wrong fields: {e}") from None
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -120,6 +163,8 @@ class SamplingParams:
              "bad_words_token_ids must be non-empty lists of non-negative token ids"),
             (self.prediction_token_ids is None or all(_in(t, 0, INT64_MAX) for t in self.prediction_token_ids),
              "prediction_token_ids must be non-negative token ids"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
         ]
 
     @property

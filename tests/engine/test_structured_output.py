@@ -16,7 +16,6 @@ from tests.fixtures import VOCAB
 from tests.spec_decode.test_spec_decode import Garbage, Oracle
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
-from tokenmill.core.structured_output import NoStructuredOutput
 from tokenmill.structured.bitmask import pack_allowed
 
 PROMPTS = random_prompts(6, 4, 30, seed=50)
@@ -35,6 +34,9 @@ class ToyGrammar:
         self.told: dict[str, int] = {}  # tokens reported per request
         self.freed: list[str] = []
 
+    def is_ready(self, request: Request) -> bool:
+        return True
+
     def grammar_bitmask(self, requests: Sequence[Request], drafts: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
         out = {}
         for req in requests:
@@ -48,12 +50,13 @@ class ToyGrammar:
                 out[req.request_id] = np.stack([self.parity[(p + j) % 2] for j in range(rows)])
         return out
 
-    def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
         self.told[request.request_id] = self.told.get(request.request_id, 0) + len(token_ids)
         if request.request_id in self.next_parity:
             for tok in token_ids:
                 assert tok % 2 == self.next_parity[request.request_id]
                 self.next_parity[request.request_id] ^= 1
+        return False
 
     def free(self, request_id: str) -> None:
         self.freed.append(request_id)
@@ -78,12 +81,13 @@ def check(free: list[list[int]], constrained: list[list[int]]) -> None:
 
 def grammar_run(llm: LLM, seeded: bool, proposer: Any = None) -> tuple[list[list[int]], ToyGrammar]:
     grammar = ToyGrammar()
+    backend = llm.engine.core.scheduler.structured_output
     llm.engine.core.scheduler.set_structured_output(grammar)
     llm.engine.core.executor.runner.set_proposer(proposer)
     try:
         return tokens(llm, seeded), grammar
     finally:
-        llm.engine.core.scheduler.set_structured_output(NoStructuredOutput())
+        llm.engine.core.scheduler.set_structured_output(backend)
         llm.engine.core.executor.runner.set_proposer(None)
 
 

@@ -65,7 +65,7 @@ def test_openai_fields_that_do_not_apply_are_ignored(server: RemoteServer, clien
     assert chunks[-1].usage is not None
     assert client.completions.create(model=model, prompt="x", max_tokens=2, user="u-1").choices
     log = server.output()
-    for name in ("metadata", "store", "user", "service_tier", "reasoning_effort", "parallel_tool_calls"):
+    for name in ("metadata", "store", "user", "service_tier", "reasoning_effort"):
         assert log.count(f"request field {name!r} does not apply") == 1, name  # once per field per process
     assert "request field 'prediction' does not apply" not in log  # Predicted Outputs: drafted from (#19)
 

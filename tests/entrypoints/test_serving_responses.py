@@ -24,6 +24,7 @@ from tokenmill.entrypoints.openai.serving_responses import (
     StoredResponse,
     _Job,
 )
+from tokenmill.entrypoints.openai.serving_tools import ToolPlan
 from tokenmill.outputs import CompletionOutput, RequestOutput
 
 
@@ -89,7 +90,8 @@ def serving_and_job() -> tuple[OpenAIServingResponses, _Job]:
     req = ResponsesRequest.model_validate({"input": "hi"})
     skeleton = ResponseObject(id="resp_x", created_at=0, status="in_progress", model="m", temperature=1.0, top_p=1.0,
                               store=True)
-    job = _Job(req, [ChatMessage(role="user", content="hi")], ProcessedPrompt(None, [1, 2, 3]), skeleton, "msg_x")
+    job = _Job(req, [ChatMessage(role="user", content="hi")], ProcessedPrompt(None, [1, 2, 3]), skeleton, "msg_x",
+               ToolPlan())
     return serving, job
 
 

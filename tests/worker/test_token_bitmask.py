@@ -31,6 +31,14 @@ def test_bitmask_masks_the_clear_bits_and_what_lies_past_it() -> None:
     assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [0, 31, 32, 69]
     assert bool(torch.isfinite(logits[1]).all())
     assert torch.isfinite(logits[2]).nonzero()[:, 0].tolist() == [5]
+    mixed = torch.arange(4 * VOCAB, dtype=torch.float32).reshape(4, VOCAB)
+    unconstrained = np.full(3, -1, np.int32)  # every bit set: how a step's rows without a grammar are filled
+    apply_token_bitmask(mixed, torch.from_numpy(np.stack([unconstrained, bitmask[0].numpy(), unconstrained,
+                                                          bitmask[2].numpy()])))
+    assert torch.equal(mixed[0], torch.arange(VOCAB, dtype=torch.float32))
+    assert torch.equal(mixed[2], torch.arange(2 * VOCAB, 3 * VOCAB, dtype=torch.float32))
+    assert torch.isfinite(mixed[1]).nonzero()[:, 0].tolist() == [0, 31, 32, 69]
+    assert torch.isfinite(mixed[3]).nonzero()[:, 0].tolist() == [5] and mixed[3, 5] == 3 * VOCAB + 5
     short = torch.zeros(1, VOCAB)
     apply_token_bitmask(short, torch.from_numpy(pack_allowed(range(64), 64))[None])  # 2 words: 64 tokens
     assert torch.isfinite(short[0]).nonzero()[:, 0].tolist() == list(range(64))

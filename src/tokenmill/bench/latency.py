@@ -11,11 +11,17 @@ sequences at the average decode context (input + output/2); floor = those bytes 
 MBU = bytes per step x steps/s / mem_read_GBps. Prefill MFU = 2 x matmul params x prefill tok/s /
 matmul GFLOP/s of the dtype. Bandwidth and FLOP/s come from --bandwidth/--flops, else the roofline
 cache, else one measurement at the engine's thread count (then cached).
+
+--json-schema FILE constrains every request with that JSON schema (structured output, issue #24's
+target: decode per token against the same run without it); the schema's output must be longer than
+--output-len (bench/schemas/records.json is: 64 records at least), so that every run decodes the same
+number of steps. The result adds the grammar's compile time (the first request's, off the step loop).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -43,6 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompts from a JSONL file ({\"prompt\": text} a line; tools/spec_datasets.py writes "
                         "copy-heavy and Shakespeare-continuation ones) instead of random token ids: each run "
                         "generates --output-len tokens for every prompt, --batch-size at a time")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain every request with this JSON schema (structured output); its output must be "
+                        "longer than --output-len, e.g. bench/schemas/records.json")
     add_ceiling_args(p)
     EngineArgs.add_cli_args(p)
 
@@ -77,7 +86,9 @@ def timed_runs(llm: Any, prompts: list[Any], params: Any, runs: int) -> tuple[li
         total = time.perf_counter() - t0
         got = sum(len(o.outputs[0].token_ids) for o in outs)
         if got != len(prompts) * params.max_tokens:
-            raise ValueError(f"asked for {len(prompts) * params.max_tokens} output tokens, got {got}")
+            why = (": the --json-schema output ended first; give a schema whose output is longer than --output-len"
+                   if params.structured_outputs is not None else "")
+            raise ValueError(f"asked for {len(prompts) * params.max_tokens} output tokens, got {got}{why}")
         prefill = _prefill_from_metrics(outs)
         if prefill is None:  # no per-request metrics: time a one-token run instead
             source = "max_tokens=1 run"
@@ -115,11 +126,35 @@ def roofline_fields(cost: ModelCost, roof: Ceilings, batch: int, context: int, p
     return out
 
 
+def load_schema(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path!r}: cannot read a JSON schema: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path!r}: a JSON schema must be an object")
+    return schema
+
+
+def structured_fields(llm: Any, path: str | None, params: Any) -> dict[str, Any]:
+    """The structured-output run's schema and its grammar's compile time (the first request's)."""
+    if path is None or params.structured_outputs is None:
+        return {"json_schema": None}
+    from tokenmill.structured.grammar import grammar_key
+
+    backend = llm.engine.core.scheduler.structured_output
+    compile_s = backend.compile_seconds.get(grammar_key(params.structured_outputs))
+    return {"json_schema": os.path.basename(path), "grammar_compile_s": None if compile_s is None else sig(compile_s)}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
     _check(args)
     engine_args = EngineArgs.from_cli_args(args)
@@ -134,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
     reqs = random_workload(b, str(args.input_len), str(args.output_len), args.vocab_low, arch.vocab_size,
                            args.workload_seed)
     prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    schema = load_schema(args.json_schema)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            structured_outputs=None if schema is None else StructuredOutputsParams(json=schema))
     for _ in range(args.warmup):
         llm.engine.reset_prefix_cache()
         llm.generate(prompts, params.clone(max_tokens=min(16, args.output_len)), use_tqdm=False)
@@ -169,5 +206,6 @@ def run(args: argparse.Namespace) -> int:
         "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         **spec_fields(config, stats0, stats1),
+        **structured_fields(llm, args.json_schema, params),
     }, ResultSink.from_args(args))
     return 0

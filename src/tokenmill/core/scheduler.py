@@ -41,12 +41,11 @@ class Scheduler:
         self.spec = SpecDecodeStats()  # speculative decoding's counters, cumulative
         self.structured_output: StructuredOutput = NoStructuredOutput()
         self._structured = False  # a manager other than the no-op is set: ask it and tell it
+        self._ended: list[EngineCoreOutput] = []  # requests ended while scheduling, for the next outputs
 
     def set_structured_output(self, manager: StructuredOutput) -> None:
-        # a step's bitmasks follow the tokens taken before it: async scheduling builds a step before
-        # the one ahead of it has returned its tokens
-        if self.config.async_scheduling:
-            raise ValueError("structured output needs async_scheduling off")
+        # a step's bitmasks follow the tokens taken before it: with async scheduling a constrained
+        # request is not scheduled while a step that samples for it is in flight (_waits_for_tokens)
         self.structured_output = manager
         self._structured = not isinstance(manager, NoStructuredOutput)
 
@@ -79,7 +78,7 @@ class Scheduler:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ended)
 
     def _queue_key(self, req: Request) -> tuple[int, int, float]:
         # preempted requests go first, then by priority (lower first), then by arrival
@@ -106,7 +105,8 @@ class Scheduler:
             else:
                 n, drafts = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
                                 self.max_model_len - req.num_computed_tokens), None
-            if n <= 0 or (req.num_output_placeholders and self._ends_with_placeholders(req)):
+            if n <= 0 or (req.num_output_placeholders and (self._ends_with_placeholders(req)
+                                                          or self._waits_for_tokens(req))):
                 i += 1
                 continue
             new_block_ids = self.kv.allocate_slots(req, n)
@@ -130,16 +130,17 @@ class Scheduler:
             i += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.num_output_placeholders:  # preempted with a step in flight: wait for its token
+            next_req = self._next_waiting()
+            if next_req is None or next_req.num_output_placeholders:  # preempted with a step in flight: wait
                 break
+            req = next_req
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             num_computed = req.num_computed_tokens + len(computed) * self.block_size
             n = min(req.num_tokens - num_computed, budget)
             block_ids = self.kv.allocate_slots(req, n, computed)
             if block_ids is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             self.kv.record_prefix_lookup(req, len(computed))
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -162,6 +163,29 @@ class Scheduler:
         bitmasks = self.structured_output.grammar_bitmask(sampling, spec) if self._structured and sampling else {}
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, self.config.max_num_batched_tokens - budget,
                                finished, spec, bitmasks)
+
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request that may be scheduled: with structured output, one whose grammar is
+        still compiling is passed over (and one whose grammar fails ends with the error)."""
+        if not self._structured:
+            return self.waiting[0]
+        failed: dict[str, str] = {}
+        ready = None
+        for req in self.waiting:
+            try:
+                if self.structured_output.is_ready(req):
+                    ready = req
+                    break
+            except ValueError as e:
+                failed[req.request_id] = str(e)
+        if failed:
+            self._ended += self.fail_requests(failed)
+        return ready
+
+    def _waits_for_tokens(self, req: Request) -> bool:
+        """A constrained request's bitmask follows its last token: with a step in flight that samples it,
+        it waits (async scheduling)."""
+        return self._structured and req.sampling_params.structured_outputs is not None
 
     def _with_drafts(self, req: Request, budget: int) -> tuple[int, list[int]]:
         """The tokens to compute for a running request with proposals, and the drafts among them:
@@ -223,6 +247,8 @@ class Scheduler:
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = self.fail_requests(out.failed) if out.failed else []
+        if self._ended:
+            outputs, self._ended = self._ended + outputs, []
         sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=False))
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -243,11 +269,15 @@ class Scheduler:
                 continue
             for k, tok in enumerate(new_tokens):
                 req.append_output_token(tok)
-                if self._check_stop(req, tok):  # where one token at a time would have stopped
+                stopped = self._check_stop(req, tok)
+                # told one at a time: a grammar that is complete (nothing but a stop token may follow) ends
+                # the request at that token, as without drafts
+                if self._structured and self.structured_output.accept_tokens(req, [tok]) and not stopped:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    stopped = True
+                if stopped:  # where one token at a time would have stopped
                     new_tokens = new_tokens[:k + 1]
                     break
-            if new_tokens and self._structured:
-                self.structured_output.accept_tokens(req, new_tokens)
             if out.spec_token_ids and was_running and not req.is_finished:
                 req.spec_token_ids = out.spec_token_ids.get(rid, [])
             logprobs = out.logprobs.get(rid)

@@ -25,6 +25,12 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class StructuredOutput(Protocol):
+    def is_ready(self, request: Request) -> bool:
+        """Whether the request may be scheduled: it has no grammar or its grammar is ready (a backend
+        compiles off the step loop; the scheduler schedules other requests meanwhile). A ValueError: the
+        grammar cannot be built, and the request ends with that error."""
+        ...
+
     def grammar_bitmask(self, requests: Sequence[Request],
                         drafts: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
         """For the requests that sample this step: int32 [1 + k, words] for each one constrained (the
@@ -33,8 +39,10 @@ class StructuredOutput(Protocol):
         draft the grammar rejects may hold anything: verification stops at that draft."""
         ...
 
-    def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
-        """The tokens the request took this step (accepted drafts and one more), cut where it stopped."""
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
+        """The tokens the request took this step (accepted drafts and one more), cut where it stopped.
+        True: its grammar has reached an end state nothing but a stop token may follow, and the request
+        ends ("stop")."""
         ...
 
     def free(self, request_id: str) -> None:
@@ -45,12 +53,15 @@ class StructuredOutput(Protocol):
 class NoStructuredOutput:
     """The default: no request is constrained."""
 
+    def is_ready(self, request: Request) -> bool:
+        return True
+
     def grammar_bitmask(self, requests: Sequence[Request],
                         drafts: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
         return {}
 
-    def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
-        pass
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
+        return False
 
     def free(self, request_id: str) -> None:
         pass

@@ -4,6 +4,7 @@ this process or in its own (core_proc)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -15,11 +16,14 @@ from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.executor.abstract import Executor
 from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # steps in a row that may fail before the engine core gives up
+IDLE_WAIT_S = 0.001  # a step that scheduled nothing while requests wait sleeps this long
 
 
 class EngineCore:
@@ -34,6 +38,9 @@ class EngineCore:
                 f"({config.model.max_model_len}): raise kv_cache_memory or lower max_model_len"
             )
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        # grammars for the requests with structured_outputs; xgrammar and the tokenizer load on the first
+        self.scheduler.set_structured_output(XGrammarBackend(
+            functools.partial(load_tokenizer, config.model.tokenizer), config.model.arch.vocab_size))
         self.num_blocks = num_blocks
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
@@ -102,6 +109,8 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
+        if not so.total_num_scheduled_tokens and self.scheduler.waiting:
+            time.sleep(IDLE_WAIT_S)  # nothing could run (grammars still compiling): the compile thread gets the CPU
         if so.scheduled_new_reqs:  # a request is new to the workers exactly once: its first schedule
             now = time.time()
             self._scheduled.update((r.req_id, now) for r in so.scheduled_new_reqs)
@@ -123,6 +132,8 @@ class EngineCore:
         while self._in_flight:
             self._in_flight.popleft()[1].result()
         self.executor.shutdown()
+        if isinstance(self.scheduler.structured_output, XGrammarBackend):
+            self.scheduler.structured_output.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

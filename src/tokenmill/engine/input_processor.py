@@ -15,6 +15,7 @@ from typing import Any
 from tokenmill.config import ModelConfig
 from tokenmill.core.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.grammar import check_structured_outputs
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -124,6 +125,8 @@ class InputProcessor:
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         check_token_ids([t for w in params.bad_words_token_ids for t in w], vocab, "bad_words_token_ids")
         check_token_ids(params.prediction_token_ids or [], vocab, "prediction_token_ids")
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         max_tokens = resolve_max_tokens(len(prompt.prompt_token_ids), params.max_tokens, self.config.max_model_len)
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)

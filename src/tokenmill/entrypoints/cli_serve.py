@@ -23,6 +23,7 @@ EXIT_STATUS_HELP = ("exit status: 0 stopped by SIGTERM or Ctrl-C with every requ
 # compute threads that share a CPU with it are descheduled mid-step
 API_PROCESS_CPUS = 1
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")  # openai/tool_parsers' registry
 
 
 def register(subparsers: Any) -> None:
@@ -38,6 +39,11 @@ def register(subparsers: Any) -> None:
                         "/version (or set TOKENMILL_API_KEY)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or template text) "
                    "that replaces the tokenizer's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide to call tools (tool_choice \"auto\", the default when a request "
+                        "has tools); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
+                   help="how tool calls are found in the model's text: the model family's format")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: no limit)")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -102,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if args.max_prompts_per_request < 1:
         raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     resolve_model_args(args)
     if args.num_threads is None:
         args.num_threads = default_num_threads(busy_cpus=API_PROCESS_CPUS)

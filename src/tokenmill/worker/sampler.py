@@ -32,10 +32,19 @@ class SamplerOutput:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: -inf for each token whose bit is clear in its row's bitmask ([rows, words] int32,
-    token t at bit t % 32 of word t // 32); a token past the mask's words is disallowed too."""
+    token t at bit t % 32 of word t // 32); a token past the mask's words is disallowed too. Only the rows
+    with a clear bit are unpacked: a batch's unconstrained rows (every bit set) are left as they are."""
+    vocab = logits.shape[-1]
+    if vocab <= bitmask.shape[1] * BITS_PER_WORD:  # a row with every bit set (unconstrained) changes nothing
+        rows = (bitmask != -1).any(dim=1).nonzero().flatten()
+        if rows.numel() < bitmask.shape[0]:
+            if rows.numel():
+                sub = logits[rows.to(logits.device)]
+                apply_token_bitmask(sub, bitmask[rows])
+                logits[rows.to(logits.device)] = sub
+            return
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)
-    vocab = logits.shape[-1]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     logits.masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))

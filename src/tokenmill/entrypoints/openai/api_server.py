@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import importlib
 import logging
 import os
 import signal
@@ -109,7 +110,12 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
         model = engine.config.model
         name, aliases = model_names(model.served_model_name, model.model)
         ctx = ServerContext(engine, name, aliases, chat_template, args.request_timeout, args.model_root or model.model,
-                            max_sequences_per_request(args, engine.config.scheduler.max_num_seqs))
+                            max_sequences_per_request(args, engine.config.scheduler.max_num_seqs),
+                            tool_call_parser=getattr(args, "tool_call_parser", None),
+                            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
+        # the grammar library (structured output) checks constraints here: loaded beside serving, not by the
+        # first request that has one
+        asyncio.get_running_loop().run_in_executor(None, importlib.import_module, "xgrammar")
         lifecycle = ServerLifecycle(engine, args.shutdown_timeout)
         app = lifecycle.wrap(build_app(ctx, args.api_key, args.max_request_bytes))
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log, lifespan="off",

@@ -23,6 +23,15 @@ from tokenmill.entrypoints.openai.request_types import (
     requires,
     token_count,
 )
+from tokenmill.entrypoints.openai.tool_protocol import (
+    ChatTool,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolCallRequest,
+    ToolChoice,
+)
 from tokenmill.sampling_params import INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 
@@ -64,6 +73,15 @@ class SamplingRequest(OpenAIRequest):
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX), INTEGRAL] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[NonEmptyStr] | None = None
+    # structured output (at most one of these): OpenAI's, and vLLM's extras
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: list[NonEmptyStr] | None = None
+    guided_grammar: NonEmptyStr | None = None
+    guided_decoding_backend: str | None = None  # xgrammar is the one backend: accepted, ignored
+    guided_whitespace_pattern: str | None = None  # accepted, ignored
 
 
 class CompletionRequest(SamplingRequest):
@@ -86,9 +104,11 @@ class TextPart(OpenAIRequest):
 
 
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallRequest] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -115,6 +135,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
     # IGNORED_FIELDS that only chat has
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -232,6 +254,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -255,10 +278,14 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        return out
 
 
 class ChatStreamChoice(BaseModel):

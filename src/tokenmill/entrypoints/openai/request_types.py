@@ -47,7 +47,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 # OpenAI fields that do not apply to a local server (storage, billing tiers, caching hints,
 # reasoning models, tools): accepted and ignored, with a warning the first time each is seen.
 IGNORED_FIELDS = frozenset({
-    "user", "metadata", "store", "service_tier", "reasoning_effort", "parallel_tool_calls",
+    "user", "metadata", "store", "service_tier", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "verbosity",
 })
 

@@ -38,6 +38,15 @@ from tokenmill.entrypoints.openai.serving_engine import (
     prompt_logprobs_json,
     sse_stream,
 )
+from tokenmill.entrypoints.openai.serving_tools import (
+    ToolCallStream,
+    ToolPlan,
+    answer,
+    conversation,
+    finish_reason,
+    plan_tools,
+    template_takes_tools,
+)
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
 
 
@@ -49,26 +58,33 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if req.stream and req.prompt_logprobs is not None:  # as vLLM: they come with the whole answer
             raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        plan = plan_tools(list(req.tools or []), req.tool_choice, req.parallel_tool_calls, self.ctx.tool_call_parser,
+                          self.ctx.enable_auto_tool_choice)
         prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                             req.chat_template_kwargs, req.truncate_prompt_tokens)
+                             req.chat_template_kwargs, req.truncate_prompt_tokens, plan)
         param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         max_tokens = self.max_tokens(len(prompt.prompt_token_ids), requested, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, bool(req.stream))
+        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, bool(req.stream),
+                                      plan.constraint)
         prediction = self._prediction(req)
         if prediction:
             params = params.clone(prediction_token_ids=prediction)
         streams = self.submit([prompt], [params], ids.engine_id, req.priority)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
-            return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams, prediction)),
+            return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams, plan,
+                                                             prediction)),
                                      media_type="text/event-stream", headers=headers)
         [final] = await self.guard(raw, collect_final(streams))
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            content, calls = answer(plan, c.text)
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                                      logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+                                      finish_reason=finish_reason(plan, c.finish_reason, bool(calls)),
+                                      stop_reason=c.stop_reason))
         prompt_lp = None
         if req.prompt_logprobs is not None and final.prompt_logprobs:
             prompt_lp = prompt_logprobs_json(final.prompt_logprobs, lambda t, _: str(self.tokenizer.decode([t])))
@@ -80,33 +96,36 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
-               truncate: int | None = None) -> ProcessedPrompt:
-        ids = self.template_ids(messages, add_generation_prompt, continue_final_message, kwargs)
+               truncate: int | None = None, plan: ToolPlan | None = None) -> ProcessedPrompt:
+        ids = self.template_ids(messages, add_generation_prompt, continue_final_message, kwargs, plan)
         return self.tokenize(ids, param="messages", truncate=truncate)
 
     def template_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
-        conv: list[dict[str, Any]] = []
-        for m in messages:
-            entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name is not None:
-                entry["name"] = m.name
-            conv.append(entry)
+                     continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                     plan: ToolPlan | None = None) -> list[int]:
+        template = self.ctx.chat_template or getattr(self.tokenizer, "chat_template", None)
+        takes_tools = template_takes_tools(template if isinstance(template, str) else None)
+        conv, tools = conversation(messages, plan, takes_tools)
+        extra = dict(kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         try:
             ids = self.tokenizer.apply_chat_template(
                 conv, chat_template=self.ctx.chat_template, tokenize=True, return_dict=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(kwargs or {}))
+                **extra)
         except Exception as e:  # jinja, transformers and bad kwargs raise many types
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         return [int(t) for t in ids]
 
     async def _stream(self, request_id: str, req: ChatCompletionRequest, prompt: ProcessedPrompt,
-                      streams: list[RequestStream], prediction: list[int] | None = None) -> AsyncIterator[str]:
+                      streams: list[RequestStream], plan: ToolPlan,
+                      prediction: list[int] | None = None) -> AsyncIterator[str]:
         created, model = int(time.time()), self.ctx.model_name
         opts = req.stream_options
         continuous = bool(opts and opts.continuous_usage_stats)
         finished: set[int] = set()
+        tool_streams = {i: ToolCallStream(plan) for i in range(req.n)}
         completion_tokens = 0
         tokens: dict[int, list[int]] = {}  # per choice, for the prediction's figures
         first = True
@@ -130,12 +149,14 @@ class OpenAIServingChat(OpenAIServing):
                 completion_tokens += len(c.token_ids)
                 if prediction:
                     tokens.setdefault(c.index, []).extend(c.token_ids)
-                if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                tools = tool_streams[c.index]
+                content, calls = tools.feed(c.text, c.finish_reason is not None)
+                if not content and not calls and c.finish_reason is None and not (req.logprobs and c.token_ids):
                     continue
                 choices.append(ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    index=c.index, delta=DeltaMessage(content=content, tool_calls=calls or None),
                     logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=finish_reason(plan, c.finish_reason, tools.has_calls), stop_reason=c.stop_reason))
             if choices:
                 yield chunk(choices)
         if opts and opts.include_usage:

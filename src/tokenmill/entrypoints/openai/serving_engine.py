@@ -22,8 +22,9 @@ from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from tokenmill.entrypoints.openai.request_types import IGNORED_FIELDS, REQUEST_ID_PATTERN
+from tokenmill.entrypoints.openai.serving_tools import structured_outputs_of
 from tokenmill.outputs import PositionLogprobs, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,6 +43,8 @@ class ServerContext:
     model_root: str | None = None  # the model argument as given, shown as /v1/models' root
     max_sequences_per_request: int | None = None  # prompts x n; None: no limit
     warned_fields: set[str] = field(default_factory=set)  # ignored request fields already logged
+    tool_call_parser: str | None = None  # --tool-call-parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
 
 
 def engine_dead(error: EngineDeadError) -> APIError:
@@ -128,7 +131,11 @@ class OpenAIServing:
             raise bad_request(str(e), param, code) from None
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None, stream: bool = False) -> SamplingParams:
+                        prompt_logprobs: int | None = None, stream: bool = False,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        structured, field_name = structured_outputs_of(req)
+        if structured is not None and constraint is not None:
+            raise bad_request(f"{field_name} cannot be combined with a tool_choice that calls a tool", field_name)
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -142,7 +149,8 @@ class OpenAIServing:
                 logit_bias=self._logit_bias(req), bad_words_token_ids=self._bad_words(req),
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+                structured_outputs=structured or constraint)
         except ValueError as e:
             word = str(e).split(" ", 1)[0]
             raise bad_request(str(e), word if word in type(req).model_fields else None) from None

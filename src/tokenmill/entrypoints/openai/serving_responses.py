@@ -1,5 +1,7 @@
-"""OpenAI's Responses API for text: POST /v1/responses (a string or message items, instructions,
-previous_response_id, streaming as typed SSE events), GET and DELETE /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses (a string or message items, instructions,
+previous_response_id, streaming as typed SSE events), GET and DELETE /v1/responses/{id}; function tools
+(tool_choice, function_call and function_call_output items) and structured output (`text.format`
+json_schema or json_object) as the chat endpoint serves them (serving_tools.py).
 
 The input goes through the chat endpoint's template. Stored responses (`store`, true by default)
 live in a bounded in-memory LRU that belongs to the app: the oldest are dropped past its size and
@@ -19,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     StringConstraints,
@@ -44,14 +47,22 @@ from tokenmill.entrypoints.openai.serving_engine import (
     collect_final,
     merge_streams,
 )
+from tokenmill.entrypoints.openai.serving_tools import ToolCallStream, ToolPlan, answer, plan_tools
+from tokenmill.entrypoints.openai.tool_protocol import (
+    ChatTool,
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    ToolCallFunction,
+    ToolCallRequest,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_STORED_RESPONSES = 1024
 # Responses fields tokenmill does not implement: accepted only with a value that asks for nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"), "reasoning": (None,),
+    "truncation": (None, "disabled"), "reasoning": (None,),
     "include": (None, []), "background": (None, False), "top_logprobs": (None, 0),
     "service_tier": (None, "auto", "default"),
 }
@@ -79,10 +90,62 @@ class InputMessage(OpenAIRequest):
         return ChatMessage(role=self.role, content=text)
 
 
+class FunctionCallItem(OpenAIRequest):
+    """A call the model made (in the output, and sent back as input)."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(OpenAIRequest):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesFunctionTool(OpenAIRequest):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat_tool(self) -> ChatTool:
+        return ChatTool(function=FunctionDefinition(name=self.name, description=self.description,
+                                                    parameters=self.parameters, strict=self.strict))
+
+
+class ResponsesNamedChoice(OpenAIRequest):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class TextConfig(OpenAIRequest):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem  # a message's "type" may be left out
+
+
 class ResponsesRequest(OpenAIRequest):
     checks_unicode: ClassVar[bool] = True
     model: str | None = None
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, token_count(1), INTEGRAL] | None = None
@@ -92,6 +155,10 @@ class ResponsesRequest(OpenAIRequest):
     store: bool | None = True
     metadata: dict[_Key, _Value] | None = Field(None, max_length=16)
     user: str | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
 
     @field_validator("metadata", "user")
     @classmethod
@@ -107,6 +174,10 @@ class ResponsesRequest(OpenAIRequest):
     def _reject_unimplemented(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        tools = data.get("tools")
+        if isinstance(tools, list) and any(not isinstance(t, dict) or t.get("type") != "function" for t in tools):
+            raise PydanticCustomError("unsupported_field", "only function tools are supported by tokenmill "
+                                      "('{field}')", {"field": "tools"})
         for key in [k for k in data if k in _NEUTRAL]:
             if data[key] not in _NEUTRAL[key]:
                 raise PydanticCustomError("unsupported_field", "'{field}' is not supported by tokenmill",
@@ -128,6 +199,15 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class InputTokensDetails(BaseModel):
@@ -162,7 +242,7 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
@@ -174,8 +254,8 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: Literal["none"] = "none"
+    parallel_tool_calls: bool = True
+    tool_choice: Any = "auto"
     tools: list[Any] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: Literal["disabled"] = "disabled"
@@ -193,7 +273,8 @@ class StreamEvent(BaseModel):
     sequence_number: int = 0
     response: ResponseObject | None = None
     output_index: int | None = None
-    item: OutputMessage | None = None
+    item: OutputMessage | OutputFunctionCall | None = None
+    arguments: str | None = None
     item_id: str | None = None
     content_index: int | None = None
     part: OutputText | None = None
@@ -251,6 +332,7 @@ class _Job:
     prompt: ProcessedPrompt
     skeleton: ResponseObject
     item_id: str
+    plan: ToolPlan
 
 
 class OpenAIServingResponses(OpenAIServing):
@@ -263,11 +345,20 @@ class OpenAIServingResponses(OpenAIServing):
         self.check_model(req.model)
         job = self._prepare(req)
         max_tokens = self.max_tokens(len(job.prompt.prompt_token_ids), req.max_output_tokens, "max_output_tokens")
+        fmt = req.text.format if req.text is not None else None
+        response_format = None if fmt is None or fmt.type == "text" else {"type": fmt.type} if (
+            fmt.type == "json_object") else {"type": "json_schema", "json_schema": {
+                "name": fmt.name or "response", "schema": fmt.json_schema, "strict": fmt.strict}}
         try:
-            sampling = SamplingRequest.model_validate({"temperature": req.temperature, "top_p": req.top_p})
+            sampling = SamplingRequest.model_validate({"temperature": req.temperature, "top_p": req.top_p,
+                                                       "response_format": response_format})
         except ValidationError as e:
-            raise bad_request(str(e)) from None
-        params = self.sampling_params(sampling, max_tokens, stream=bool(req.stream))
+            raise bad_request(str(e), "text") from None
+        try:
+            params = self.sampling_params(sampling, max_tokens, stream=bool(req.stream), constraint=job.plan.constraint)
+        except APIError as e:
+            e.param = "text" if e.param == "response_format" else e.param
+            raise
         streams = self.submit([job.prompt], [params], job.skeleton.id)
         if req.stream:
             return StreamingResponse(self._events(job, streams), media_type="text/event-stream")
@@ -280,14 +371,17 @@ class OpenAIServingResponses(OpenAIServing):
         history: list[ChatMessage] = []
         if req.previous_response_id is not None:
             history = list(self.store.get(req.previous_response_id, "previous_response_id").conversation)
-        items = [ChatMessage(role="user", content=req.input)] if isinstance(req.input, str) else [
-            m.chat_message() for m in req.input]
+        items = [ChatMessage(role="user", content=req.input)] if isinstance(req.input, str) else _messages(req.input)
         conversation = history + items
+        choice = req.tool_choice
+        plan = plan_tools([t.chat_tool() for t in req.tools or []], NamedToolChoice(
+            function=FunctionName(name=choice.name)) if isinstance(choice, ResponsesNamedChoice) else choice,
+            req.parallel_tool_calls, self.ctx.tool_call_parser, self.ctx.enable_auto_tool_choice)
         if not conversation:
             raise bad_request("input must have at least one message", "input")
         system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
         try:
-            prompt = self.chat.render(system + conversation)
+            prompt = self.chat.render(system + conversation, plan=plan)
         except APIError as e:
             e.param = "input" if e.param == "messages" else e.param  # the chat endpoint's name for it
             raise
@@ -296,8 +390,12 @@ class OpenAIServingResponses(OpenAIServing):
             model=self.ctx.model_name, instructions=req.instructions, previous_response_id=req.previous_response_id,
             max_output_tokens=req.max_output_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, store=req.store is not False, metadata=req.metadata or {},
-            user=req.user)
-        return _Job(req, conversation, prompt, skeleton, f"msg_{uuid.uuid4().hex}")
+            user=req.user, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+            tool_choice=(choice.model_dump() if isinstance(choice, BaseModel) else choice) or (
+                "auto" if req.tools else "none"), parallel_tool_calls=req.parallel_tool_calls is not False,
+            text=req.text.model_dump(exclude_none=True, by_alias=True) if req.text is not None else {
+                "format": {"type": "text"}})
+        return _Job(req, conversation, prompt, skeleton, f"msg_{uuid.uuid4().hex}", plan)
 
     def _finish(self, job: _Job, text: str, output_tokens: int, finish_reason: str | None,
                 cached_tokens: int) -> ResponseObject:
@@ -307,12 +405,20 @@ class OpenAIServingResponses(OpenAIServing):
         usage = ResponseUsage(input_tokens=n_input, output_tokens=output_tokens, total_tokens=n_input + output_tokens,
                               input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
         status: Literal["completed", "incomplete"] = "completed" if complete else "incomplete"
-        message = OutputMessage(id=job.item_id, status=status, content=[OutputText(text=text)])
+        content, calls = answer(job.plan, text)
+        output: list[OutputMessage | OutputFunctionCall] = []
+        if content is not None or not calls:
+            output.append(OutputMessage(id=job.item_id, status=status, content=[OutputText(text=content or "")]))
+        output += [OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=c.id, name=c.function.name,
+                                      arguments=c.function.arguments) for c in calls]
         response = job.skeleton.model_copy(update=dict(
-            status=status, output=[message], usage=usage,
+            status=status, output=output, usage=usage,
             incomplete_details=None if complete else IncompleteDetails(reason="max_output_tokens")))
         if job.skeleton.store:
-            self.store.put(StoredResponse(response, [*job.conversation, ChatMessage(role="assistant", content=text)]))
+            said = ChatMessage(role="assistant", content=content, tool_calls=[ToolCallRequest(
+                id=c.id, function=ToolCallFunction(name=c.function.name, arguments=c.function.arguments))
+                for c in calls] or None)
+            self.store.put(StoredResponse(response, [*job.conversation, said]))
         return response
 
     async def _events(self, job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -328,6 +434,7 @@ class OpenAIServingResponses(OpenAIServing):
 
         where = dict(item_id=job.item_id, output_index=0, content_index=0)
         text, tokens, cached, finish_reason = "", 0, 0, None
+        calls = ToolCallStream(job.plan)  # the text deltas carry the content only, never a call's text
         try:
             yield event("response.created", response=job.skeleton)
             yield event("response.in_progress", response=job.skeleton)
@@ -339,9 +446,10 @@ class OpenAIServingResponses(OpenAIServing):
                 tokens += len(comp.token_ids)
                 cached = max(cached, out.num_cached_tokens)
                 finish_reason = comp.finish_reason or finish_reason
-                if comp.text:
-                    text += comp.text
-                    yield event("response.output_text.delta", delta=comp.text, logprobs=[], **where)
+                text += comp.text
+                content, _ = calls.feed(comp.text, comp.finish_reason is not None)
+                if content:
+                    yield event("response.output_text.delta", delta=content, logprobs=[], **where)
         except Exception as e:
             error = api_error_of(e)
             yield event("error", code=error.code, message=error.message, param=error.param)
@@ -353,9 +461,23 @@ class OpenAIServingResponses(OpenAIServing):
             for s in streams:
                 s.abort()
         response = self._finish(job, text, tokens, finish_reason, cached)
-        yield event("response.output_text.done", text=text, logprobs=[], **where)
-        yield event("response.content_part.done", part=response.output[0].content[0], **where)
-        yield event("response.output_item.done", output_index=0, item=response.output[0])
+        first = response.output[0]
+        if isinstance(first, OutputMessage):
+            yield event("response.output_text.done", text=first.content[0].text, logprobs=[], **where)
+            yield event("response.content_part.done", part=first.content[0], **where)
+        else:  # tool calls only: the message item opened for the text closes empty
+            first = OutputMessage(id=job.item_id, status="completed", content=[])
+        yield event("response.output_item.done", output_index=0, item=first)
+        for i, call in enumerate(response.output[1:] if isinstance(response.output[0], OutputMessage)
+                                 else response.output, start=1):
+            assert isinstance(call, OutputFunctionCall)
+            yield event("response.output_item.added", output_index=i, item=call.model_copy(update={
+                "status": "in_progress", "arguments": ""}))
+            yield event("response.function_call_arguments.delta", output_index=i, item_id=call.id,
+                        delta=call.arguments)
+            yield event("response.function_call_arguments.done", output_index=i, item_id=call.id,
+                        arguments=call.arguments)
+            yield event("response.output_item.done", output_index=i, item=call)
         yield event(f"response.{response.status}", response=response)
 
 
@@ -379,6 +501,24 @@ def register(app: FastAPI, ctx: ServerContext, max_stored: int = MAX_STORED_RESP
     async def delete_response(response_id: str) -> JSONResponse:
         serving.store.delete(response_id)
         return JSONResponse(DeletedResponse(id=response_id).model_dump())
+
+
+def _messages(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]) -> list[ChatMessage]:
+    """Input items as chat messages: function calls join the assistant message before them (or make one),
+    their outputs are tool messages."""
+    out: list[ChatMessage] = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            out.append(item.chat_message())
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCallRequest(id=item.call_id, function=ToolCallFunction(name=item.name, arguments=item.arguments))
+            if out and out[-1].role == "assistant":
+                out[-1] = out[-1].model_copy(update={"tool_calls": [*(out[-1].tool_calls or []), call]})
+            else:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        else:
+            out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+    return out
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:

@@ -1,0 +1,98 @@
+"""From a request's StructuredOutputsParams to an xgrammar Grammar (tokenizer-independent), and the key its
+compiled form is cached under. Building the grammar is the check that a schema, regex or EBNF grammar is
+valid: the engine's InputProcessor calls check_structured_outputs before a request reaches the core, so a
+bad one is a ValueError (an HTTP 400) that names the constraint."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# whitespace characters allowed between two JSON tokens where any whitespace is: room for indented
+# output, and a bound on a model that would otherwise emit whitespace until max_tokens
+MAX_JSON_WHITESPACE = 24
+GrammarKey = tuple[str, str, bool]  # (kind, the constraint's canonical text, free whitespace in JSON)
+
+
+def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+    kind = params.kind
+    value: Any = getattr(params, kind)
+    if kind == "json":
+        value = _schema_text(value)
+    elif kind == "choice":
+        value = json.dumps(value)
+    elif kind == "json_object":
+        value = ""
+    return kind, str(value), not params.disable_any_whitespace
+
+
+def build_grammar(key: GrammarKey) -> xgr.Grammar:
+    """The grammar for a key; a ValueError that says what is wrong when it cannot be built."""
+    import xgrammar as xgr
+
+    kind, text, any_whitespace = key
+    try:
+        if kind in ("json", "json_object"):  # json_object: any JSON object (OpenAI's JSON mode)
+            return xgr.Grammar.from_json_schema(
+                text if kind == "json" else '{"type": "object"}', any_whitespace=any_whitespace,
+                strict_mode=kind == "json", max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(text)))
+        return xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
+        raise ValueError(f"structured output: invalid {what}: {_first_line(e)}") from None
+
+
+def check_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Raise ValueError when the constraint cannot be turned into a grammar."""
+    _check_key(grammar_key(params))
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of the key: each distinct constraint is built once
+def _check_key(key: GrammarKey) -> None:
+    if key[0] == "json":
+        try:
+            schema = json.loads(key[1])
+        except ValueError:
+            raise ValueError("structured output: the JSON schema is not valid JSON") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("structured output: a JSON schema must be an object")
+    build_grammar(key)
+
+
+def _schema_text(schema: str | dict[str, Any]) -> str:
+    if isinstance(schema, str):
+        try:
+            return json.dumps(json.loads(schema), separators=(",", ":"))
+        except ValueError:
+            return schema  # check_structured_outputs reports it
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def _ebnf_literal(text: str) -> str:
+    """A double-quoted EBNF string matching text exactly."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch.isprintable() and ch.isascii():
+            out.append(ch)
+        else:
+            out.append(f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else f"\\u{ord(ch):04x}")
+    return '"' + "".join(out) + '"'
+
+
+def _first_line(error: Exception) -> str:
+    """xgrammar's messages start with a timestamp and a source location: keep what follows them."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    head, sep, rest = text.partition(": ")
+    return rest if sep and (".cc:" in head or head.startswith("[")) else text

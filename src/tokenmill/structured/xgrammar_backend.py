@@ -1,0 +1,179 @@
+"""The xgrammar grammar backend: core.structured_output.StructuredOutput for the requests whose
+SamplingParams carry structured_outputs.
+
+Compilation runs in a thread pool, cached by grammar (an LRU of futures, so requests with the same schema
+share one compilation, even while it runs); the scheduler keeps a request waiting until its grammar is
+ready (is_ready) and schedules the others. Each request gets its own matcher, advanced with the tokens it
+takes; draft tokens are tried and rolled back to build their bitmask rows. A request keeps its matcher
+when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tokenmill.core.request import Request
+from tokenmill.core.structured_output import bitmask_words
+from tokenmill.structured.bitmask import pack_allowed
+from tokenmill.structured.grammar import GrammarKey, build_grammar, grammar_key
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
+
+
+@dataclass
+class _Matcher:
+    matcher: xgr.GrammarMatcher
+    stop_mask: np.ndarray  # [words] int32: the stop tokens' bits
+    next_mask: np.ndarray | None = None  # [words]: the bitmask after the tokens taken, when already filled
+
+
+class XGrammarBackend:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
+                 cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(vocab_size)
+        self.cache_size = cache_size
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="tokenmill-grammar")
+        self._compiler: xgr.GrammarCompiler | None = None  # made by the pool, on the first compilation
+        self._compiled: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._matchers: dict[str, _Matcher] = {}
+        self.compile_seconds: dict[GrammarKey, float] = {}  # per grammar compiled (the first one includes setup)
+
+    # ---- compilation -----------------------------------------------------------------------
+    def compile(self, key: GrammarKey) -> Future[xgr.CompiledGrammar]:
+        """The compilation of a grammar, started in the pool unless cached (then it moves to the LRU's end)."""
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            return future
+        future = self._pool.submit(self._compile, key)
+        self._compiled[key] = future
+        while len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiled = self._compiler.compile_grammar(build_grammar(key))
+        self.compile_seconds[key] = time.perf_counter() - start
+        return compiled
+
+    # ---- the StructuredOutput seam -----------------------------------------------------------
+    def is_ready(self, request: Request) -> bool:
+        params = request.sampling_params.structured_outputs
+        if params is None or request.request_id in self._matchers:
+            return True
+        future = self.compile(grammar_key(params))
+        if not future.done():
+            return False
+        error = future.exception()
+        if error is not None:
+            raise error if isinstance(error, ValueError) else ValueError(f"structured output: {error}")
+        self._matchers[request.request_id] = self._new_matcher(future.result(), request)
+        return True
+
+    def _new_matcher(self, compiled: xgr.CompiledGrammar, request: Request) -> _Matcher:
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(request.eos_token_ids) or None)
+        for tok in request.output_token_ids:  # none but for a request that had tokens before this backend
+            matcher.accept_token(tok)
+        return _Matcher(matcher, pack_allowed(matcher.stop_token_ids, self.vocab_size))
+
+    def grammar_bitmask(self, requests: Sequence[Request],
+                        drafts: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for req in requests:
+            state = self._matchers.get(req.request_id)
+            if state is None:
+                continue
+            out[req.request_id] = self._rows(state, drafts.get(req.request_id, []))
+        return out
+
+    def _rows(self, state: _Matcher, drafts: list[int]) -> np.ndarray:
+        """[1 + len(drafts), words]: row j after the first j drafts, as if taken; rows past a draft the
+        grammar rejects repeat the row before it."""
+        rows = np.empty((1 + len(drafts), self.words), np.int32)
+        if state.next_mask is not None:
+            rows[0] = state.next_mask
+        else:
+            state.matcher.fill_next_token_bitmask(torch.from_numpy(rows), 0)
+        taken = 0
+        for j, tok in enumerate(drafts):
+            if state.matcher.is_terminated() or not state.matcher.accept_token(tok):
+                rows[j + 1:] = rows[j]
+                break
+            taken += 1
+            state.matcher.fill_next_token_bitmask(torch.from_numpy(rows), j + 1)
+        if taken:
+            state.matcher.rollback(taken)
+        return rows
+
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
+        state = self._matchers.get(request.request_id)
+        if state is None:
+            return False
+        state.next_mask = None
+        matcher = state.matcher
+        for tok in token_ids:
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(tok):
+                logger.warning("request %s: token %d breaks its grammar", request.request_id, tok)
+                return True
+        if matcher.is_terminated():
+            return True
+        if not matcher.is_completed():
+            return False
+        # at an end state: the request ends here when nothing but a stop token may follow
+        mask = np.empty((1, self.words), np.int32)
+        matcher.fill_next_token_bitmask(torch.from_numpy(mask), 0)
+        state.next_mask = mask[0]
+        return not np.any(mask[0] & ~state.stop_mask)
+
+    def free(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    # ---- for speculative decoding ------------------------------------------------------------
+    def validate_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many of token_ids, in order from the request's current state, the grammar accepts; the
+        state is left as it was."""
+        state = self._matchers.get(request_id)
+        if state is None:
+            return len(token_ids)
+        n = 0
+        for tok in token_ids:
+            if state.matcher.is_terminated() or not state.matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            state.matcher.rollback(n)
+        return n
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Undo the last num_tokens tokens accepted for the request (drafts taken before verification)."""
+        state = self._matchers.get(request_id)
+        if state is not None and num_tokens > 0:
+            state.next_mask = None
+            state.matcher.rollback(num_tokens)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

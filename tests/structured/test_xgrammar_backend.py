@@ -1,0 +1,119 @@
+"""The xgrammar backend on its own: compilation in the pool (a request is not ready until its grammar is,
+one compilation per grammar, an LRU of them), bitmask rows for draft tokens, the speculative-decoding
+API (validate k drafts, roll back), the end of a grammar ending its request, and a bad grammar."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from tokenmill.core.request import Request
+from tokenmill.engine.input_processor import load_tokenizer
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.structured.bitmask import allowed_ids
+from tokenmill.structured.grammar import grammar_key
+from tokenmill.structured.xgrammar_backend import XGrammarBackend
+
+from ..fixtures import EOS, VOCAB
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: str) -> Any:
+    return load_tokenizer(tokenizer_dir)
+
+
+def backend(tokenizer: Any, **kw: Any) -> XGrammarBackend:
+    return XGrammarBackend(lambda: tokenizer, VOCAB, **kw)
+
+
+def request(rid: str, **constraint: Any) -> Request:
+    return Request(rid, [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), (EOS,))
+
+
+def ready(b: XGrammarBackend, req: Request) -> None:
+    b.compile(grammar_key(req.sampling_params.structured_outputs)).result(timeout=60)  # type: ignore[arg-type]
+    assert b.is_ready(req)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def test_a_request_is_ready_once_its_grammar_is_compiled_in_the_pool(tokenizer: Any) -> None:
+    gate = threading.Event()
+    b = backend(tokenizer, cache_size=2)
+    b._pool.submit(gate.wait)  # holds the pool's one thread: the compilations queue behind it
+    req, twin = request("a", regex="[0-9]+"), request("b", regex="[0-9]+")
+    assert not b.is_ready(req) and not b.is_ready(twin)  # never blocks the caller
+    assert b.is_ready(request("free", regex="x").__class__("free", [1], SamplingParams()))  # unconstrained
+    gate.set()
+    ready(b, req)
+    assert b.is_ready(twin) and len(b.compile_seconds) == 1  # one compilation for both
+    for regex in ("a", "b"):  # an LRU of two: "[0-9]+" is pushed out
+        b.compile(grammar_key(StructuredOutputsParams(regex=regex))).result(timeout=60)
+    assert grammar_key(StructuredOutputsParams(regex="[0-9]+")) not in b._compiled
+    b.shutdown()
+
+
+def test_a_grammar_that_cannot_be_built_is_a_value_error(tokenizer: Any) -> None:
+    b = backend(tokenizer)
+    req = request("bad", grammar="root ::= nothing")
+    with pytest.raises(ValueError, match="invalid grammar"):
+        b.compile(grammar_key(req.sampling_params.structured_outputs)).result(timeout=60)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="invalid grammar"):
+        b.is_ready(req)
+
+
+def test_rows_for_drafts_validate_and_rollback(tokenizer: Any) -> None:
+    b = backend(tokenizer)
+    req = request("a", choice=["yes please", "no thanks"])
+    ready(b, req)
+    yes, no = encode(tokenizer, "yes please"), encode(tokenizer, "no thanks")
+    [first] = b.grammar_bitmask([req], {}).values()
+    assert {yes[0], no[0]} <= set(allowed_ids(first[0]).tolist())
+    drafts = yes[:2] + [no[0]]  # the third draft breaks the grammar
+    rows = b.grammar_bitmask([req], {"a": drafts})["a"]
+    assert rows.shape[0] == 4 and (rows[0] == first[0]).all()
+    for j in (0, 1, 2):  # row j: after the first j drafts
+        assert allowed_ids(rows[j]).tolist() == sorted({yes[j]} | ({no[0]} if j == 0 else set()))
+    assert (rows[3] == rows[2]).all()  # past the draft the grammar rejects: a copy
+    assert b.validate_tokens("a", drafts) == 2 and b.validate_tokens("a", yes) == len(yes)
+    assert (b.grammar_bitmask([req], {})["a"] == first).all()  # validating left the state as it was
+    assert not b.accept_tokens(req, yes[:2])
+    b.rollback("a", 2)  # as if the two drafts were taken, then rejected
+    assert (b.grammar_bitmask([req], {})["a"] == first).all()
+
+
+def test_the_end_of_the_grammar_ends_the_request(tokenizer: Any) -> None:
+    b = backend(tokenizer)
+    done, open_ended = request("a", choice=["yes"]), request("b", regex="a+")
+    ready(b, done)
+    ready(b, open_ended)
+    *head, last = encode(tokenizer, "yes")
+    assert not head or not b.accept_tokens(done, head)
+    assert b.accept_tokens(done, [last])  # nothing but EOS may follow
+    assert not b.accept_tokens(open_ended, encode(tokenizer, "aa"))  # complete, but more "a" may follow
+    b.free("a")
+    assert b.grammar_bitmask([done], {}) == {}
+
+
+@pytest.mark.parametrize(("constraint", "says"), [
+    ({"json": {"type": "nope"}}, "invalid JSON schema"), ({"json": "{not json"}, "not valid JSON"),
+    ({"regex": "a(b"}, "invalid regex"), ({"grammar": "root ::= missing"}, "invalid grammar"),
+])
+def test_the_library_refuses_a_bad_constraint_with_a_value_error(constraint: dict[str, Any], says: str) -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
+
+    config = SimpleNamespace(arch=SimpleNamespace(eos_token_ids=(EOS,), vocab_size=VOCAB), max_model_len=64)
+    processor = InputProcessor(cast(ModelConfig, config), None)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match=says):
+        processor.make_request("r", ProcessedPrompt(None, [5, 6]), params)
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
