@@ -161,7 +161,7 @@ class CpuBackend(SdpaBackend):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: KVScales | None = None) -> torch.Tensor:
         if kv_scales is not None:
-            if self.ops is None or q.device.type != "cpu":
+            if self.ops is None or q.device.type != "cpu" or meta.num_seqs == 0:
                 return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
             tables, lens = _row_tables(meta)
             out: torch.Tensor = self.ops.paged_attention_quant(q, k_cache, v_cache, kv_scales.k, kv_scales.v, tables,
