@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 from tokenmill.arch import ArchConfig, load_arch_config
+from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class CacheConfig:
     kv_cache_bytes: int
     num_kv_blocks: int | None  # explicit pool size (tests, tuning); overrides kv_cache_bytes
     enable_prefix_caching: bool
+    kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPE_CHOICES name (kv_cache_spec.kv_storage_dtype stores it)
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,8 @@ class EngineArgs:
         None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3) (default: 4 GiB "
               "or 0.3 of available memory, whichever is less)")
     num_kv_blocks: int | None = _arg(None, "KV-cache size in blocks; overrides --kv-cache-memory")
+    kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), int8 (a scale per token and "
+                                       "kv head) or fp8_e4m3 (fp8 is the same; also a scale per token and kv head)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompt prefixes computed before")
     max_num_seqs: int = _arg(256, "the most sequences running at once")
     max_num_batched_tokens: int = _arg(2048, "the most tokens one step computes; longer prompts are prefilled "
@@ -227,6 +231,7 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, arch, device)
         max_model_len = self._max_model_len(arch)
         self._check_positive()
+        kv_storage_dtype(self.kv_cache_dtype, dtype)  # refuses an unknown choice
         backend = self.attention_backend
         if backend == "auto":
             backend = "cuda" if device == "cuda" else ("cpu" if self.cpu_kernels else "sdpa")
@@ -257,6 +262,7 @@ class EngineArgs:
                 kv_cache_bytes=self._kv_cache_bytes(),
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -321,6 +327,8 @@ class EngineArgs:
                 parser.add_argument(flag, type=int, default=default, help=doc)
             elif f.name == "dtype":
                 parser.add_argument(flag, choices=DTYPES, default=default, help=doc)
+            elif f.name == "kv_cache_dtype":
+                parser.add_argument(flag, choices=KV_CACHE_DTYPE_CHOICES, default=default, help=doc)
             else:
                 parser.add_argument(flag, type=str, default=default, help=doc)
 

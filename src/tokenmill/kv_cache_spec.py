@@ -17,6 +17,22 @@ from dataclasses import dataclass
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # the dtypes weights and activations run in
 
+# `--kv-cache-dtype` (vLLM's names) -> the cache's storage dtype; "auto" stores the model's dtype
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8", "fp8_e4m3")
+_KV_STORAGE = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+# storage dtypes kept with one float32 scale per token and kv head (K and V each), beside the blocks
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
+KV_SCALE_BYTES = 4
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The dtype the KV cache stores for a `--kv-cache-dtype` choice."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_STORAGE:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} unknown; choose from {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    return _KV_STORAGE[kv_cache_dtype]
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -30,6 +46,11 @@ class KVCacheSpec:
         raise NotImplementedError
 
     @property
+    def quantized(self) -> bool:
+        """Whether elements are stored quantized, with a scale per token and kv head (`scale_shape`)."""
+        return self.dtype in QUANTIZED_KV_DTYPES
+
+    @property
     def page_size_bytes(self) -> int:
         """Bytes one block of this layer holds."""
         return self.block_size * self.bytes_per_token
@@ -41,17 +62,24 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
-    """Keys and values of every position: a [2, blocks, block_size, num_kv_heads, head_size] tensor."""
+    """Keys and values of every position: a [2, blocks, block_size, num_kv_heads, head_size] tensor; a
+    quantized one also keeps a [2, blocks, block_size, num_kv_heads] float32 tensor of scales (the value
+    is element * scale)."""
 
     num_kv_heads: int
     head_size: int
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+        scale = KV_SCALE_BYTES if self.quantized else 0
+        return 2 * self.num_kv_heads * (self.head_size * DTYPE_BYTES[self.dtype] + scale)
 
     def block_shape(self) -> tuple[int, ...]:
         return (self.block_size, self.num_kv_heads, self.head_size)
+
+    def scale_shape(self) -> tuple[int, ...]:
+        """The shape of one block of this layer's scales (quantized dtypes only)."""
+        return (self.block_size, self.num_kv_heads)
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,27 @@ def output_rows(meta: AttentionMetadata, rows: list[int], seqs: list[int]) -> Ou
     return OutputRows(index, rows_meta)
 
 
+@dataclass
+class KVScales:
+    """A quantized layer cache's scales (kv_cache_spec.QUANTIZED_KV_DTYPES): [num_blocks, block_size, Hk]
+    float32 for K and for V; a cached value is element * scale."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 class AttentionBackend(Protocol):
     name: str
+    # the quantized cache dtypes (torch dtype names) it writes and reads; float caches are always taken
+    kv_cache_dtypes: tuple[str, ...]
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         """Build the backend's per-step tensors into meta.extra (once per step, not per layer)."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Store this step's keys and values at their slots (before any attention reads them)."""
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+        """Store this step's keys and values at their slots (before any attention reads them); with
+        `kv_scales`, quantized (attention/kv_quant.py's rule)."""
 
     def forward(
         self,
@@ -74,8 +86,20 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,  # a quantized cache's scales: attend to the dequantized values
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+
+def check_kv_cache_dtype(backend: AttentionBackend, dtype: str) -> None:
+    """Refuse, at start, a quantized cache dtype the backend does not read."""
+    from tokenmill.kv_cache_spec import QUANTIZED_KV_DTYPES
+
+    supported = getattr(backend, "kv_cache_dtypes", ())
+    if dtype in QUANTIZED_KV_DTYPES and dtype not in supported:
+        raise ValueError(f"attention backend {backend.name!r} does not support a {dtype} KV cache "
+                         f"(it supports: {', '.join(supported) or 'none'}); use --kv-cache-dtype auto or "
+                         "another --attention-backend")
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

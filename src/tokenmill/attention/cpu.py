@@ -8,7 +8,13 @@ cache read at all.
 `CpuBackend`: decodes and (bf16, on CPUs with AVX512-BF16) all prefill chunks of a step read
 K/V in place from the paged cache in C++ kernels (kernels/cpu/attention/paged_decode.cpp,
 kernels/cpu/attention/prefill_attention.cpp), with no gather copy. Falls back to SDPA where a kernel cannot be
-built or does not apply."""
+built or does not apply.
+
+A quantized cache (int8 / fp8 e4m3 with per-token-head scales, attention/kv_quant.py): SDPA dequantizes
+the context it gathers (decodes: one gather for all; prefill chunks: always from the cache, so that every
+path attends to the same quantized values); `CpuBackend` quantizes in C++ (`write_kv_quant_`) and runs
+every query row of the step, decodes and prefill rows, in one C++ call that reads the quantized cache in
+place (kernels/cpu/attention/paged_decode_quant.cpp)."""
 
 from __future__ import annotations
 
@@ -16,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, write_kv
+from tokenmill.attention.backend import AttentionMetadata, KVScales, causal_mask, gather_context, write_kv
+from tokenmill.attention.kv_quant import gather_dequantized, select_dequantized, write_kv_quantized
 from tokenmill.kernels import load_cpu_kernels
+from tokenmill.kv_cache_spec import QUANTIZED_KV_DTYPES
 
 # SDPA kernels for CUDA: not cuDNN's, which builds a costly plan for each new shape, so that a first pass
 # over prompts of many lengths would spend most of its time planning (bench/README.md, 'Measurements
@@ -27,6 +35,7 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 class SdpaBackend:
     name = "sdpa"
+    kv_cache_dtypes = QUANTIZED_KV_DTYPES
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         d = meta.num_decodes
@@ -47,53 +56,68 @@ class SdpaBackend:
         meta.extra["decode_mask"] = mask[:, None, None, :]
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+        if kv_scales is not None:
+            write_kv_quantized(k, v, k_cache, v_cache, kv_scales, slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         if q.is_cuda:
             with sdpa_kernel(CUDA_SDPA_BACKENDS):
-                return self._attend(q, k_new, v_new, k_cache, v_cache, meta, scale)
-        return self._attend(q, k_new, v_new, k_cache, v_cache, meta, scale)
+                return self._attend(q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
+        return self._attend(q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
 
     def _attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None) -> torch.Tensor:
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, kv_scales)
         for b in range(d, meta.num_seqs):
             s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
-            out[s:e] = self._prefill(q[s:e], k_new[s:e], v_new[s:e], k_cache, v_cache, meta, b, scale)
+            out[s:e] = self._prefill(q[s:e], k_new[s:e], v_new[s:e], k_cache, v_cache, meta, b, scale, kv_scales)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         d, hq, dim = q.shape
         hk = k_cache.shape[2]
         idx, mask = meta.extra["decode_index"], meta.extra["decode_mask"]
         length = mask.shape[-1]
-        k = k_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
-        v = v_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
+        if kv_scales is not None:
+            k = select_dequantized(k_cache, kv_scales.k, idx, q.dtype).view(d, length, hk, dim).transpose(1, 2)
+            v = select_dequantized(v_cache, kv_scales.v, idx, q.dtype).view(d, length, hk, dim).transpose(1, 2)
+        else:
+            k = k_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
+            v = v_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
         qg = q.view(d, hk, hq // hk, dim)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return o.reshape(d, hq, dim)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, b: int, scale: float) -> torch.Tensor:
+                 v_cache: torch.Tensor, meta: AttentionMetadata, b: int, scale: float,
+                 kv_scales: KVScales | None = None) -> torch.Tensor:
         n = q.shape[0]
         ctx = meta.seq_lens[b]
         window = meta.sliding_window
         qh = q.transpose(0, 1).unsqueeze(0)
-        if ctx == n and (window is None or window >= n):
+        if kv_scales is None and ctx == n and (window is None or window >= n):
             k = k_new.transpose(0, 1).unsqueeze(0)
             v = v_new.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            k = gather_context(k_cache, meta.block_tables[b], ctx).transpose(0, 1).unsqueeze(0)
-            v = gather_context(v_cache, meta.block_tables[b], ctx).transpose(0, 1).unsqueeze(0)
+            table = meta.block_tables[b]
+            if kv_scales is not None:
+                k = gather_dequantized(k_cache, kv_scales.k, table, ctx, q.dtype)
+                v = gather_dequantized(v_cache, kv_scales.v, table, ctx, q.dtype)
+            else:
+                k, v = gather_context(k_cache, table, ctx), gather_context(v_cache, table, ctx)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = causal_mask(torch.arange(ctx - n, ctx, device=q.device), ctx, window)
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
@@ -119,11 +143,13 @@ class CpuBackend(SdpaBackend):
             meta.extra["prefill_lens"] = torch.tensor(meta.seq_lens[d:], dtype=torch.int32)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        if self.ops is not None and k.device.type == "cpu":
-            self.ops.write_kv_(k, v, k_cache, v_cache, slot_mapping)
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+        if self.ops is None or k.device.type != "cpu":
+            super().write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        elif kv_scales is not None:
+            self.ops.write_kv_quant_(k, v, k_cache, v_cache, kv_scales.k, kv_scales.v, slot_mapping)
         else:
-            write_kv(k, v, k_cache, v_cache, slot_mapping)
+            self.ops.write_kv_(k, v, k_cache, v_cache, slot_mapping)
 
     def decode_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The padded block tables and context lengths of the step's decodes, as the C++ decode
@@ -132,7 +158,15 @@ class CpuBackend(SdpaBackend):
         return None if tables is None else (tables, meta.extra["decode_lens"])
 
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
+        if kv_scales is not None:
+            if self.ops is None or q.device.type != "cpu" or meta.num_seqs == 0:
+                return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
+            tables, lens = _row_tables(meta)
+            out: torch.Tensor = self.ops.paged_attention_quant(q, k_cache, v_cache, kv_scales.k, kv_scales.v, tables,
+                                                                lens, scale, meta.sliding_window or 0)
+            return out
         if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided split of qkv
@@ -154,12 +188,24 @@ class CpuBackend(SdpaBackend):
         return self._prefill_dims[dim]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if "decode_tables" not in meta.extra:
-            return super()._decode(q, k_cache, v_cache, meta, scale)
+                meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        if "decode_tables" not in meta.extra or kv_scales is not None:
+            return super()._decode(q, k_cache, v_cache, meta, scale, kv_scales)
         return self.ops.paged_decode(q, k_cache, v_cache,
                                      meta.extra["decode_tables"], meta.extra["decode_lens"], scale,
                                      meta.sliding_window or 0)
+
+
+def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row of the step as a single query: its sequence's padded block table and the context
+    it sees (a prefill row at position p sees p + 1 positions); built once per step, kept in meta.extra."""
+    if "row_tables" not in meta.extra:
+        qsl, lens = meta.query_start_loc, meta.seq_lens
+        counts = [qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)]
+        meta.extra["row_tables"] = _padded_tables(meta.block_tables).repeat_interleave(torch.tensor(counts), dim=0)
+        meta.extra["row_lens"] = torch.cat([torch.arange(n - c + 1, n + 1, dtype=torch.int32)
+                                            for n, c in zip(lens, counts, strict=True)])
+    return meta.extra["row_tables"], meta.extra["row_lens"]
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:

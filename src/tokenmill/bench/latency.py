@@ -34,6 +34,7 @@ from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import run_dataset, spec_fields
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
+from tokenmill.kv_cache_spec import kv_storage_dtype
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     roof = ceilings(config.model.dtype, args.bandwidth, args.flops, threads if device == "cpu" else 1,
                     measure_missing=args.roofline, device=device)
     context = args.input_len + args.output_len // 2
-    cost = ModelCost(arch, config.model.dtype)
+    cost = ModelCost(arch, config.model.dtype, kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype))
     emit({
         "engine": "tokenmill", "bench": "latency", "model": args.model, "threads": threads,
         "dtype": config.model.dtype, "device": device, "attention_backend": config.attention_backend,
@@ -204,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         **roofline_fields(cost, roof, b, context, b * args.input_len, prefill_s, step_s),
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),
         "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,
+        "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         **spec_fields(config, stats0, stats1),
         **structured_fields(llm, args.json_schema, params),

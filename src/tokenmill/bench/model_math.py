@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from tokenmill.arch import ArchConfig
-from tokenmill.kv_cache_spec import DTYPE_BYTES, FLOAT_DTYPES
+from tokenmill.kv_cache_spec import DTYPE_BYTES, FLOAT_DTYPES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -29,6 +29,7 @@ def dtype_bytes(dtype: str) -> int:
 class ModelCost:
     arch: ArchConfig
     dtype: str
+    kv_dtype: str | None = None  # the KV cache's storage dtype (kv_cache_spec.kv_storage_dtype); None: dtype
 
     @property
     def elem_bytes(self) -> int:
@@ -79,7 +80,13 @@ class ModelCost:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.arch.kv_bytes_per_token * self.elem_bytes
+        """K and V of one token over all layers, as the pool stores them (a quantized cache: one element
+        byte per value plus a float32 scale per token and kv head, as FullAttentionSpec counts them)."""
+        kv = self.kv_dtype or self.dtype
+        if kv in QUANTIZED_KV_DTYPES:
+            a = self.arch
+            return 2 * a.num_layers * a.num_kv_heads * (a.head_dim * DTYPE_BYTES[kv] + KV_SCALE_BYTES)
+        return self.arch.kv_bytes_per_token * dtype_bytes(kv)
 
     @property
     def attn_flops_per_position(self) -> int:

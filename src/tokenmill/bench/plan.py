@@ -1,6 +1,7 @@
 """`tokenmill plan MODEL`: the serving arithmetic of a checkpoint from its config.json: parameters and
-weight bytes, KV bytes per token, how many tokens and requests fit in a memory budget, and the decode
-floor per step by batch size (bytes / bandwidth vs FLOPs / matmul rate, whichever is larger)."""
+weight bytes, KV bytes per token, how many tokens and requests fit in a memory budget (for the chosen
+`--kv-cache-dtype`, and under `kv_cache_dtypes` for each one), and the decode floor per step by batch
+size (bytes / bandwidth vs FLOPs / matmul rate, whichever is larger)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tokenmill.arch import ArchConfig, load_arch_config
 from tokenmill.bench.model_math import ModelCost, decode_floor, dtype_bytes, kv_capacity, max_requests
 from tokenmill.bench.roofline import Ceilings, ceilings
 from tokenmill.config import default_block_size, parse_memory
+from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
 
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
 
@@ -24,6 +26,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget alone (overrides --memory)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="weights and KV dtype (default: the checkpoint's, else bfloat16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="KV cache storage, as the engine's flag (default: auto, the weights' dtype)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length a request may reach")
     p.add_argument("--context", type=int, default=None,
                    help="average context per sequence in the decode table (default: max-model-len / 2)")
@@ -61,7 +65,8 @@ def _positive(value: int | None, flag: str) -> None:
 def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
     arch = load_arch_config(args.model)
     dtype = resolve_dtype(arch, args.dtype)
-    cost = ModelCost(arch, dtype)
+    kv_choice = getattr(args, "kv_cache_dtype", "auto")
+    cost = ModelCost(arch, dtype, kv_storage_dtype(kv_choice, dtype))
     for flag in ("max_model_len", "context", "prompt_len", "block_size"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     max_len = args.max_model_len or arch.max_position_embeddings
@@ -82,7 +87,9 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
         "params": cost.params, "embedding_params": cost.embedding_params, "lm_head_params": cost.lm_head_params,
         "tie_word_embeddings": arch.tie_word_embeddings, "matmul_params": cost.matmul_params,
         "weight_bytes": cost.weight_bytes, "decode_weight_bytes": cost.decode_weight_bytes(1),
-        "kv_bytes_per_token": cost.kv_bytes_per_token, "layers": arch.num_layers, "heads": arch.num_heads,
+        "kv_cache_dtype": kv_choice, "kv_bytes_per_token": cost.kv_bytes_per_token,
+        "kv_cache_dtypes": kv_dtype_table(arch, dtype, kv_budget, args.block_size, max_len, context),
+        "layers": arch.num_layers, "heads": arch.num_heads,
         "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "max_model_len": max_len,
         "memory_bytes": memory, "kv_cache_bytes": kv_budget, "block_size": args.block_size,
         "max_kv_tokens": capacity, "max_requests_at_max_model_len": max_requests(capacity, max_len, args.block_size),
@@ -110,6 +117,20 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
     return plan
 
 
+def kv_dtype_table(arch: ArchConfig, dtype: str, kv_budget: int, block_size: int, max_len: int,
+                   context: int) -> list[dict[str, Any]]:
+    """For each --kv-cache-dtype: bytes per token and the blocks, tokens and requests the budget holds."""
+    rows = []
+    for choice in ("auto", "int8", "fp8_e4m3"):
+        cost = ModelCost(arch, dtype, kv_storage_dtype(choice, dtype))
+        capacity = kv_capacity(kv_budget, cost, block_size)
+        rows.append({"kv_cache_dtype": choice, "storage": cost.kv_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
+                     "kv_blocks": capacity // block_size, "max_kv_tokens": capacity,
+                     "max_requests_at_max_model_len": max_requests(capacity, max_len, block_size),
+                     "max_requests_at_context": max_requests(capacity, context, block_size)})
+    return rows
+
+
 def _count(n: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -130,8 +151,8 @@ def render(plan: dict[str, Any]) -> str:
         f"weights {p['weight_bytes'] / 1e6:.1f} MB",
         f"per decode   {p['decode_weight_bytes'] / 1e6:.1f} MB of weights read per step "
         "(embedding table: used rows only)",
-        f"KV cache     {p['kv_bytes_per_token']} B/token  (2 x {p['layers']} layers x {p['kv_heads']} kv heads x "
-        f"{p['head_dim']} x {p['dtype_bytes']} B)",
+        f"KV cache     {p['kv_bytes_per_token']} B/token with --kv-cache-dtype {p['kv_cache_dtype']}  (K and V of "
+        f"{p['layers']} layers x {p['kv_heads']} kv heads x {p['head_dim']})",
         f"memory       {_gib(p['memory_bytes'])} total -> KV {_gib(p['kv_cache_bytes'])}: "
         f"{p['max_kv_tokens']:,} tokens; "
         f"{p['max_requests_at_max_model_len']} requests at {p['max_model_len']} tokens, "
@@ -149,6 +170,10 @@ def render(plan: dict[str, Any]) -> str:
     else:
         lines.append("roofline     unknown: pass --bandwidth and --flops, or --measure "
                      "(or run `tokenmill bench roofline`)")
+    lines.append(f"\nKV cache dtype   B/token   blocks  requests at {p['max_model_len']} / at {p['context']} tokens")
+    for r in p["kv_cache_dtypes"]:
+        lines.append(f"{r['kv_cache_dtype']:<9} {r['storage']:<14} {r['kv_bytes_per_token']:>8} {r['kv_blocks']:>8}  "
+                     f"{r['max_requests_at_max_model_len']} / {r['max_requests_at_context']}")
     lines.append(f"\ndecode floor per step, average context {p['context']} tokens:")
     head = f"{'batch':>6} {'MB/step':>9} {'GFLOP':>8} {'mem ms':>8} {'comp ms':>8} {'floor ms':>9} {'tok/s':>9}  bound"
     lines.append(head)

@@ -1,6 +1,7 @@
 """`tokenmill bench throughput`: offline generation of a whole workload at once, timed after a
 warm-up, the prefix cache emptied before each run; JSON with tok/s, peak RSS, the most KV blocks in
-use at once, and MBU/MFU estimates.
+use at once, the KV cache's dtype, bytes per token and how many of the workload's longest sequences
+(prompt + output) its pool holds at once, and MBU/MFU estimates.
 
 The estimates divide the least work the run needs by its median wall time and this machine's ceilings
 (`tokenmill bench roofline`, cached):
@@ -22,6 +23,7 @@ from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import spec_fields
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
+from tokenmill.kv_cache_spec import kv_storage_dtype
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
         steps.append(llm.engine.stats.num_steps - steps0)
     wall, step_count = statistics.median(walls), statistics.median(steps)
     lens = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs]  # the last run's
+    cost = ModelCost(config.model.arch, config.model.dtype,
+                     kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype))
+    bs, blocks = config.cache.block_size, llm.engine.core.num_blocks
+    seq_len = max(p + r.max_tokens for (p, _), r in zip(lens, reqs, strict=True))
     prompt_tokens, output_tokens = sum(p for p, _ in lens), sum(o for _, o in lens)
     threads = torch.get_num_threads()
     device = config.device.device
@@ -118,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
         "total_tok_s": round((prompt_tokens + output_tokens) / wall, 1), "load_s": round(load_s, 2),
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
         "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": step_count, "steps_runs": steps,
-        **estimates(ModelCost(config.model.arch, config.model.dtype), lens, step_count, wall, roof),
+        **estimates(cost, lens, step_count, wall, roof),
+        "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
+        "kv_seq_len": seq_len, "kv_seqs_fit": blocks // -(-seq_len // bs),
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefix_caching": config.cache.enable_prefix_caching,

@@ -1,13 +1,14 @@
 """The paged attention layer every model uses: it declares its KV cache spec, writes this step's keys
 and values to its cache, and calls the attention backend. The worker binds each layer's cache tensor
-and the backend once, after allocating the pool (`bind`); models never touch caches or backends."""
+(and a quantized cache's scales) and the backend once, after allocating the pool (`bind`); models never
+touch caches or backends."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KVScales, OutputRows
 from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
@@ -19,6 +20,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache = torch.empty(0)  # [2, num_blocks, block_size, num_kv_heads, head_dim] once bound
+        self.kv_scales: KVScales | None = None  # a quantized cache's scales, [num_blocks, block_size, num_kv_heads]
         self.backend: AttentionBackend | None = None
 
     def kv_cache_spec(self, block_size: int, dtype: str) -> KVCacheSpec:
@@ -26,8 +28,10 @@ class PagedAttention(nn.Module):
             return SlidingWindowSpec(block_size, dtype, self.num_kv_heads, self.head_dim, self.sliding_window)
         return FullAttentionSpec(block_size, dtype, self.num_kv_heads, self.head_dim)
 
-    def bind(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
+    def bind(self, kv_cache: torch.Tensor, backend: AttentionBackend, kv_scales: torch.Tensor | None = None) -> None:
+        """kv_cache [2, blocks, ...]; kv_scales [2, blocks, block_size, num_kv_heads] for a quantized one."""
         self.kv_cache = kv_cache
+        self.kv_scales = None if kv_scales is None else KVScales(kv_scales[0], kv_scales[1])
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -38,11 +42,18 @@ class PagedAttention(nn.Module):
         if backend is None:
             raise RuntimeError("PagedAttention used before the worker bound its KV cache")
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        scales = self.kv_scales
+        if scales is None:  # backends that take no quantized cache keep their signature
+            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         if rows is not None:
             q, k, v = (y.index_select(0, rows.index) for y in (q, k, v))
             meta = rows.meta
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        if scales is None:
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, scales)
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 

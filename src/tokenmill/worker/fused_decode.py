@@ -5,6 +5,8 @@ The runner builds it for a model that describes itself as a `DecoderLayout` (mod
 on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes;
 the C++ calls run the same kernels in the same order as the Python layer loop with that backend, so
 they give the same tokens. It reads the backend's decode tables through `CpuBackend.decode_tables`.
+It takes bf16 caches only: with a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) it declines and
+the Python layer loop runs, whose attention reads the quantized cache in C++.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class FusedDecode:
             return None
         layout = model.decoder_layout()
         if layout is None or layout.cos.dtype != torch.bfloat16 or layout.cos.device.type != "cpu":
+            return None
+        if any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers):
             return None
         for layer in layout.layers:
             if not all(m.packed and _gemv_ptr(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):

@@ -2,12 +2,14 @@
 
 Each group of layers with the same spec gets one tensor, [layers, 2, num_blocks, *block] for K/V
 layouts and [layers, num_blocks, *block] for latent ones, lazily faulted on the CPU (worker/memory.py);
-each layer is bound to its slice. A draft model gets its own config and so its own tensors.
+each layer is bound to its slice. A quantized group (int8 / fp8 KV) also gets its scales, one float32 per
+token and kv head, [layers, 2, num_blocks, block_size, num_kv_heads], listed in `groups` beside the
+elements (block index at dimension 2, as theirs). A draft model gets its own config and so its own tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,6 +24,7 @@ from tokenmill.worker.memory import zeros_lazily
 class KVCacheTensors:
     by_layer: dict[str, torch.Tensor]  # each layer's cache
     groups: list[tuple[torch.Tensor, int]]  # each group's whole tensor and the dimension of its block index
+    scales_by_layer: dict[str, torch.Tensor] = field(default_factory=dict)  # a quantized layer's scales
 
     @property
     def nbytes(self) -> int:
@@ -29,12 +32,18 @@ class KVCacheTensors:
 
 
 def kv_cache_specs(model: nn.Module, block_size: int, dtype: str) -> dict[str, KVCacheSpec]:
-    """Each attention layer's spec, by module name."""
-    return {name: layer.kv_cache_spec(block_size, dtype) for name, layer in attention_layers(model).items()}
+    """Each attention layer's spec, by module name; `dtype` is the cache's storage dtype."""
+    specs = {name: layer.kv_cache_spec(block_size, dtype) for name, layer in attention_layers(model).items()}
+    for name, spec in specs.items():
+        if spec.quantized and not isinstance(spec, FullAttentionSpec):
+            raise ValueError(f"a {dtype} KV cache is not supported for layer {name} ({type(spec).__name__}); "
+                             "use --kv-cache-dtype auto")
+    return specs
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> KVCacheTensors:
     by_layer: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
     groups: list[tuple[torch.Tensor, int]] = []
     for group in config.groups:
         spec = group.spec
@@ -45,7 +54,13 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> KVCacheTe
         groups.append((tensor, 1 + len(pair)))
         for i, name in enumerate(group.layer_names):
             by_layer[name] = tensor[i]
-    return KVCacheTensors(by_layer, groups)
+        if spec.quantized and isinstance(spec, FullAttentionSpec):
+            shape = (len(group.layer_names), 2, config.num_blocks, *spec.scale_shape())
+            scale_tensor = zeros_lazily(shape, torch.float32, device)
+            groups.append((scale_tensor, 2))
+            for i, name in enumerate(group.layer_names):
+                scales[name] = scale_tensor[i]
+    return KVCacheTensors(by_layer, groups, scales)
 
 
 def bind_kv_caches(model: nn.Module, caches: KVCacheTensors, backend: AttentionBackend) -> None:
@@ -53,4 +68,4 @@ def bind_kv_caches(model: nn.Module, caches: KVCacheTensors, backend: AttentionB
     if set(layers) != set(caches.by_layer):
         raise ValueError("the KV cache config does not name this model's attention layers")
     for name, layer in layers.items():
-        layer.bind(caches.by_layer[name], backend)
+        layer.bind(caches.by_layer[name], backend, caches.scales_by_layer.get(name))

@@ -39,7 +39,7 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     reads (figures in bench/README.md, 'Measurements behind the code')."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+    nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:

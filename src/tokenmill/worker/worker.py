@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from tokenmill.attention import get_backend
+from tokenmill.attention.backend import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kernels import load_cpu_kernels
-from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, kv_storage_dtype
 from tokenmill.layers import use_cpu_kernels
 from tokenmill.layers.linear import UnquantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
@@ -54,9 +55,11 @@ class Worker:
                                      UnquantizedLinearMethod(self.ops))
         use_cpu_kernels(self.model, self.ops)
         self.backend = get_backend(cfg.attention_backend)
+        self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, cfg.model.dtype)
+        check_kv_cache_dtype(self.backend, self.kv_dtype)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return kv_cache_specs(self.model, self.config.cache.block_size, self.config.model.dtype)
+        return kv_cache_specs(self.model, self.config.cache.block_size, self.kv_dtype)
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         caches = allocate_kv_caches(kv_config, self.device)
