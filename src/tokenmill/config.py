@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from tokenmill.arch import ArchConfig, load_arch_config
+from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -32,6 +33,7 @@ class ModelConfig:
     seed: int
     arch: ArchConfig
     served_model_name: str
+    quantization: QuantConfig | None = None  # the weights' (None: float)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class EngineArgs:
                                           "reference) or cuda; auto: cuda on a GPU, else cpu, or sdpa with "
                                           "--no-cpu-kernels")
     cpu_kernels: bool = _arg(True, "tokenmill's C++ kernels on a CPU (decode attention, fused bf16 ops)")
+    quantization: str | None = _arg(None, "how the weights are quantized: " + ", ".join(QUANTIZATION_METHODS)
+                                    + " (default: as config.json's quantization_config says; int8, int4 and "
+                                      "w8a8 quantize a float checkpoint at load by round-to-nearest)")
     async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
                                                "where a CPU is free for the scheduling thread beside the compute "
                                                "threads, and always on a GPU)")
@@ -142,6 +147,7 @@ class EngineArgs:
                 seed=self.seed,
                 arch=arch,
                 served_model_name=self.served_model_name or self.model,
+                quantization=resolve_quantization(self.model, self.quantization),
             ),
             cache=CacheConfig(
                 block_size=self.block_size if self.block_size is not None else default_block_size(device),

@@ -17,7 +17,8 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from tokenmill.layers import use_cpu_kernels
-from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearMethod, UnquantizedLinearMethod
+from tokenmill.layers.quantization import QuantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
 from tokenmill.worker.memory import keep_freed_memory
@@ -48,9 +49,17 @@ class Worker:
         use_ops = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.device.cpu_kernels
         self.ops: Any = load_cpu_kernels() if use_ops else None
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
-                                     UnquantizedLinearMethod(self.ops))
+                                     self._linear_method())
         use_cpu_kernels(self.model, self.ops)
         self.backend = get_backend(cfg.attention_backend)
+
+    def _linear_method(self) -> LinearMethod:
+        """The checkpoint's quantized method (whose kernels take fp32 too), or the float one."""
+        quant = self.config.model.quantization
+        if quant is None:
+            return UnquantizedLinearMethod(self.ops)
+        use_quant_ops = self.device.type == "cpu" and self.config.device.cpu_kernels
+        return QuantizedLinearMethod(quant, load_cpu_kernels() if use_quant_ops else None, self.ops)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return kv_cache_specs(self.model, self.config.cache.block_size, self.config.model.dtype)
