@@ -67,7 +67,7 @@ def _along(layer: LinearBase, dim: int, cfg: QuantConfig, dtype: torch.dtype | N
             dest = dest.narrow(dim, start, end - start)
         if tuple(loaded.shape) != tuple(dest.shape):
             raise ValueError(f"tensor shape {list(loaded.shape)} does not match the model's {list(dest.shape)} "
-                             f"({_describe(cfg)}; shard {shard_id!r})")
+                             f"({_describe(cfg)}{'' if shard_id is None else f'; shard {shard_id!r}'})")
         dest.copy_(loaded)
         name = next(n for n, p in layer.named_parameters(recurse=False) if p is param)
         layer.mark_loaded(name, shard_id)
