@@ -10,7 +10,8 @@ import sys
 from typing import Any
 
 from tokenmill.arch import ArchConfig, load_arch_config
-from tokenmill.bench.model_math import ModelCost, decode_floor, dtype_bytes, kv_capacity, max_requests
+from tokenmill.bench.model_math import (INT4_GROUP, QUANTIZED_FORMATS, ModelCost, decode_floor, dtype_bytes, kv_capacity,
+                                        max_requests)
 from tokenmill.bench.roofline import Ceilings, ceilings
 from tokenmill.config import default_block_size, parse_memory
 
@@ -82,6 +83,8 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
         "params": cost.params, "embedding_params": cost.embedding_params, "lm_head_params": cost.lm_head_params,
         "tie_word_embeddings": arch.tie_word_embeddings, "matmul_params": cost.matmul_params,
         "weight_bytes": cost.weight_bytes, "decode_weight_bytes": cost.decode_weight_bytes(1),
+        "weight_bytes_by_format": {f: ModelCost(arch, dtype, None if f == dtype else f).weight_bytes
+                                   for f in (dtype, *QUANTIZED_FORMATS)},
         "kv_bytes_per_token": cost.kv_bytes_per_token, "layers": arch.num_layers, "heads": arch.num_heads,
         "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "max_model_len": max_len,
         "memory_bytes": memory, "kv_cache_bytes": kv_budget, "block_size": args.block_size,
@@ -128,6 +131,8 @@ def render(plan: dict[str, Any]) -> str:
         f"model        {p['model']}  ({p['architecture']}, {p['dtype']})",
         f"parameters   {_count(p['params'])}  (embedding {_count(p['embedding_params'])}, {tied}); "
         f"weights {p['weight_bytes'] / 1e6:.1f} MB",
+        "weights by   " + ", ".join(f"{f} {b / 1e6:.1f} MB" for f, b in p["weight_bytes_by_format"].items())
+        + f" (int4: groups of {INT4_GROUP})",
         f"per decode   {p['decode_weight_bytes'] / 1e6:.1f} MB of weights read per step "
         "(embedding table: used rows only)",
         f"KV cache     {p['kv_bytes_per_token']} B/token  (2 x {p['layers']} layers x {p['kv_heads']} kv heads x "

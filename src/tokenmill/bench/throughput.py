@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost
-from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
+from tokenmill.bench.results import ResultSink, emit, loaded_weight_bytes, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     device = config.device.device
     roof = ceilings(config.model.dtype, args.bandwidth, args.flops, threads if device == "cpu" else 1,
                     measure_missing=args.roofline, device=device)
+    quant = config.model.quantization
+    cost = ModelCost(config.model.arch, config.model.dtype, None if quant is None else quant.scheme)
     emit({
         "engine": "tokenmill", "bench": "throughput", "model": args.model,
         "threads": threads, "dtype": config.model.dtype, "device": config.device.device,
@@ -116,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
         "total_tok_s": round((prompt_tokens + output_tokens) / wall, 1), "load_s": round(load_s, 2),
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
         "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": step_count, "steps_runs": steps,
-        **estimates(ModelCost(config.model.arch, config.model.dtype), lens, step_count, wall, roof),
+        **estimates(cost, lens, step_count, wall, roof),
+        "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
+        "weight_bytes": cost.weight_bytes, "loaded_weight_bytes": loaded_weight_bytes(llm),
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefix_caching": config.cache.enable_prefix_caching,

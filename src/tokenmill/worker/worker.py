@@ -61,6 +61,11 @@ class Worker:
         use_quant_ops = self.device.type == "cpu" and self.config.device.cpu_kernels
         return QuantizedLinearMethod(quant, load_cpu_kernels() if use_quant_ops else None, self.ops)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded model's parameters (a tied tensor once), as they sit in memory."""
+        tensors = {id(p): p for p in self.model.parameters()}.values()
+        return sum(int(torch.ops.mkldnn._nbytes(p)) if p.is_mkldnn else p.numel() * p.element_size() for p in tensors)
+
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return kv_cache_specs(self.model, self.config.cache.block_size, self.config.model.dtype)
 
