@@ -76,8 +76,9 @@ def test_w8a8_with_smoothquant_loads_and_runs(model_dirs: dict[str, str], tmp_pa
         f.write(CALIBRATION)
     out = os.path.join(tmp_path, "q")
     assert main(["quantize", src, "--method", "w8a8", "--calibration", cal, "--out", out]) == 0
-    norm = load_file(os.path.join(out, "model.safetensors"))["model.layers.0.input_layernorm.weight"]
-    assert not torch.equal(norm, load_file(os.path.join(src, "model.safetensors"))["model.layers.0.input_layernorm.weight"])
+    norm = "model.layers.0.input_layernorm.weight"
+    smoothed = load_file(os.path.join(out, "model.safetensors"))[norm]
+    assert not torch.equal(smoothed, load_file(os.path.join(src, "model.safetensors"))[norm])
     with open(os.path.join(out, "config.json")) as f:
         acts = json.load(f)["quantization_config"]["config_groups"]["group_0"]["input_activations"]
     assert acts["strategy"] == "token" and acts["dynamic"]

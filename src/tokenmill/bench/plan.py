@@ -10,8 +10,15 @@ import sys
 from typing import Any
 
 from tokenmill.arch import ArchConfig, load_arch_config
-from tokenmill.bench.model_math import (INT4_GROUP, QUANTIZED_FORMATS, ModelCost, decode_floor, dtype_bytes, kv_capacity,
-                                        max_requests)
+from tokenmill.bench.model_math import (
+    INT4_GROUP,
+    QUANTIZED_FORMATS,
+    ModelCost,
+    decode_floor,
+    dtype_bytes,
+    kv_capacity,
+    max_requests,
+)
 from tokenmill.bench.roofline import Ceilings, ceilings
 from tokenmill.config import default_block_size, parse_memory
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from tokenmill.entrypoints.quantize import METHODS, QuantizeOptions
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Any) -> None:
     p = subparsers.add_parser("quantize", help="write a compressed-tensors quantized copy of a float checkpoint",
                               description="Quantize a float checkpoint's linear layers and write a "
                                           "compressed-tensors checkpoint (tokenmill, vLLM and transformers "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +59,28 @@ def _set(layer: LinearBase, name: str, t: torch.Tensor) -> None:
     setattr(layer, name, nn.Parameter(t.contiguous(), requires_grad=False))
 
 
+def _t(layer: LinearBase, name: str) -> torch.Tensor:
+    t = getattr(layer, name)
+    assert isinstance(t, torch.Tensor), name
+    return t
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """What a quantized layer's kernels need besides its tensors."""
+
+    scheme: str
+    group_size: int = 0  # int4
+    input_perm: torch.Tensor | None = None  # GPTQ act-order: x's columns in this order
+
+
+def layout_of(layer: LinearBase) -> QuantLayout:
+    layout = layer.__dict__.get("quant_layout")
+    if not isinstance(layout, QuantLayout):
+        raise ValueError("the layer's quantized weights are not processed yet")
+    return layout
+
+
 class QuantizedLinearMethod:
     """One LinearMethod for every format and scheme of `cfg`. `ops`: tokenmill's C++ CPU kernels (or
     None: the reference path). `lm_head_ops`: what the float lm_head's method gets."""
@@ -69,13 +92,12 @@ class QuantizedLinearMethod:
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         formats.create_checkpoint_params(self.cfg, layer, dtype)
-        layer.quant_scheme = self.cfg.scheme
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         w = formats.to_int_weights(self.cfg, layer)
         for name in formats.checkpoint_param_names(layer):
             delattr(layer, name)
-        device = w.scale.device
+        group = 0
         if self.cfg.scheme == "int4":
             if w.zero is None:
                 raise ValueError("int4 weights without zero points")
@@ -83,7 +105,7 @@ class QuantizedLinearMethod:
                 raise ValueError("int4 weights hold values over 15 (is the checkpoint 4-bit?)")
             _set(layer, "qweight", ref.pack_int4(w.q))
             _set(layer, "zeros", w.zero.float())
-            layer.group_size = formats.group_of(self.cfg, layer.input_size)
+            group = formats.group_of(self.cfg, layer.input_size)
         elif self.cfg.scheme == "w8a8":
             padded, wsum = ref.w8a8_layout(w.q)
             _set(layer, "qweight", padded)
@@ -91,37 +113,36 @@ class QuantizedLinearMethod:
         else:
             _set(layer, "qweight", w.q)
         _set(layer, "scales", w.scale.float())
-        layer.input_perm = w.perm.to(device) if w.perm is not None else None
+        perm = w.perm.to(w.scale.device) if w.perm is not None else None
+        layer.__dict__["quant_layout"] = QuantLayout(self.cfg.scheme, group, perm)
 
     def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
         """The fp32 [N, K] weight this layer multiplies by (in the checkpoint's column order)."""
-        if self.cfg.scheme == "int4":
-            w = ref.dequantize_int4(layer.qweight, layer.scales, layer.zeros, layer.input_size, layer.group_size)
-            perm = layer.input_perm
-            return w if perm is None else w[:, torch.argsort(perm)]
-        return ref.dequantize_int8(layer.qweight[:, :layer.input_size], layer.scales)
+        layout = layout_of(layer)
+        if layout.scheme == "int4":
+            w = ref.dequantize_int4(_t(layer, "qweight"), _t(layer, "scales"), _t(layer, "zeros"), layer.input_size,
+                                    layout.group_size)
+            return w if layout.input_perm is None else w[:, torch.argsort(layout.input_perm)]
+        return ref.dequantize_int8(_t(layer, "qweight")[:, :layer.input_size], _t(layer, "scales"))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        layout = layout_of(layer)
         rows = x.reshape(-1, layer.input_size)
-        use_kernel = self.kernels is not None and rows.device.type == "cpu" and rows.dtype in (
-            torch.bfloat16, torch.float32)
-        scheme = self.cfg.scheme
-        if scheme == "w8a8":
-            y = (self.kernels.w8a8_linear(rows, layer.qweight, layer.scales, layer.weight_sum, layer.input_size,
-                                          layer.bias) if use_kernel
-                 else ref.w8a8_ref(rows, layer.qweight, layer.scales, layer.input_size, layer.bias))
-        elif scheme == "int8":
-            y = (self.kernels.int8_linear(rows, layer.qweight, layer.scales, layer.bias)
-                 if use_kernel and rows.shape[0] <= KERNEL_MAX_ROWS
-                 else ref.linear_ref(rows, ref.dequantize_int8(layer.qweight, layer.scales), layer.bias))
+        kernels = self.kernels if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32) else None
+        q, scales, k, bias = _t(layer, "qweight"), _t(layer, "scales"), layer.input_size, layer.bias
+        if layout.scheme == "w8a8":
+            y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
+                 else ref.w8a8_ref(rows, q, scales, k, bias))
+        elif kernels is None or rows.shape[0] > KERNEL_MAX_ROWS:
+            y = ref.linear_ref(rows if layout.input_perm is None else rows[:, layout.input_perm],
+                               self.dequantized_weight(layer) if layout.input_perm is None
+                               else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size), bias)
+        elif layout.scheme == "int8":
+            y = kernels.int8_linear(rows, q, scales, bias)
         else:
-            if layer.input_perm is not None:
-                rows = rows[:, layer.input_perm]
-            y = (self.kernels.int4_linear(rows, layer.qweight, layer.scales, layer.zeros, layer.input_size,
-                                          layer.group_size, layer.bias)
-                 if use_kernel and rows.shape[0] <= KERNEL_MAX_ROWS
-                 else ref.linear_ref(rows, ref.dequantize_int4(layer.qweight, layer.scales, layer.zeros,
-                                                               layer.input_size, layer.group_size), layer.bias))
+            if layout.input_perm is not None:
+                rows = rows[:, layout.input_perm]
+            y = kernels.int4_linear(rows, q, scales, _t(layer, "zeros"), k, layout.group_size, bias)
         out: torch.Tensor = y.view(*x.shape[:-1], layer.output_size)
         return out
 

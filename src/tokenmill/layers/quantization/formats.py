@@ -133,36 +133,42 @@ def _nibbles(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(rang
     return out.reshape(*p.shape[:-1], -1).movedim(-1, dim)
 
 
+def _t(layer: LinearBase, name: str) -> torch.Tensor:
+    t = getattr(layer, name)
+    assert isinstance(t, torch.Tensor), name
+    return t.data
+
+
 def to_int_weights(cfg: QuantConfig, layer: LinearBase) -> IntWeights:
     """The layer's checkpoint parameters as IntWeights (the parameters are left in place)."""
     n, k = layer.output_size, layer.input_size
     if cfg.format == "rtn":
         if cfg.scheme == "int4":
-            q, scale, zero = ref.rtn_int4(layer.weight, group_of(cfg, k), cfg.zero_point)
+            q, scale, zero = ref.rtn_int4(_t(layer, "weight"), group_of(cfg, k), cfg.zero_point)
             return IntWeights(q, scale, zero)
-        return IntWeights(*ref.rtn_int8(layer.weight))
+        return IntWeights(*ref.rtn_int8(_t(layer, "weight")))
     if cfg.format == "compressed-tensors" and cfg.scheme != "int4":
-        return IntWeights(layer.weight.data, layer.weight_scale.data[:, 0].contiguous())
+        return IntWeights(_t(layer, "weight"), _t(layer, "weight_scale")[:, 0].contiguous())
     if cfg.format == "compressed-tensors":
-        q = _nibbles(layer.weight_packed.data, 1)[:, :k]
-        zero = (_nibbles(layer.weight_zero_point.data, 0)[:n].float() if cfg.zero_point
-                else torch.full_like(layer.weight_scale.data, 8.0))
-        return IntWeights(q.to(torch.uint8), layer.weight_scale.data, zero)
+        q = _nibbles(_t(layer, "weight_packed"), 1)[:, :k]
+        zero = (_nibbles(_t(layer, "weight_zero_point"), 0)[:n].float() if cfg.zero_point
+                else torch.full_like(_t(layer, "weight_scale"), 8.0))
+        return IntWeights(q.to(torch.uint8), _t(layer, "weight_scale"), zero)
     if cfg.format == "gptq":
-        q = _nibbles(layer.qweight.data, 0).T
-        zero = _nibbles(layer.qzeros.data, 1).float() + cfg.gptq_zero_offset
+        q = _nibbles(_t(layer, "qweight"), 0).T
+        zero = _nibbles(_t(layer, "qzeros"), 1).float() + cfg.gptq_zero_offset
     else:
-        q = _nibbles(layer.qweight.data, 1, AWQ_ORDER).T
-        zero = _nibbles(layer.qzeros.data, 1, AWQ_ORDER).float()
+        q = _nibbles(_t(layer, "qweight"), 1, AWQ_ORDER).T
+        zero = _nibbles(_t(layer, "qzeros"), 1, AWQ_ORDER).float()
     perm = _act_order(cfg, layer) if cfg.act_order else None
     if perm is not None:
         q = q[:, perm]
-    return IntWeights(q.to(torch.uint8).contiguous(), layer.scales.data.T.contiguous(), zero.T.contiguous(), perm)
+    return IntWeights(q.to(torch.uint8).contiguous(), _t(layer, "scales").T.contiguous(), zero.T.contiguous(), perm)
 
 
 def _act_order(cfg: QuantConfig, layer: LinearBase) -> torch.Tensor | None:
     """The column order that makes GPTQ's act-order groups contiguous (None: already in order)."""
-    g_idx = layer.g_idx.data.long()
+    g_idx = _t(layer, "g_idx").long()
     if not bool((g_idx == g_idx[0]).all()):
         raise ValueError("g_idx differs between the fused shards (q/k/v or gate/up), which share one input")
     g_idx = g_idx[0]
