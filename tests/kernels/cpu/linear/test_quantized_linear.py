@@ -18,7 +18,8 @@ from tokenmill.layers.quantization import reference as ref
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_quantized_linear(),
                                 reason="quantized kernels unavailable (no AVX-512 BW/VNNI)")
-SHAPES = [(1, 1, 32), (3, 7, 70), (5, 2, 128), (7, 5, 200), (4, 96, 256), (13, 33, 130), (1, 64, 1000)]
+# (rows of x, outputs, K): K on and off the group and the 16/32/64 runs, 1 to 7 outputs, row tiles and tails
+SHAPES = [(1, 1, 32), (3, 7, 70), (7, 5, 200), (13, 33, 130), (4, 96, 256)]
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, magnitude: torch.Tensor) -> None:
@@ -70,6 +71,22 @@ def test_w8a8(m: int, n: int, k: int) -> None:
     _close(OPS.w8a8_linear(xb, padded, scale, wsum, k, bias.bfloat16()),
            ref.w8a8_ref(xb, padded, scale, k, bias.bfloat16()), torch.bfloat16,
            xb.float().abs() @ ref.dequantize_int8(q, scale).abs().T + bias.abs())
+
+
+@pytest.mark.parametrize("m", range(1, 8))
+def test_every_row_count(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    w, x = torch.randn(6, 100, generator=gen), torch.randn(m, 100, generator=gen)
+    q, scale = ref.rtn_int8(w)
+    _close(OPS.int8_linear(x, q, scale, None), ref.linear_ref(x, ref.dequantize_int8(q, scale), None), torch.float32,
+           x.abs() @ w.abs().T)
+    q4, s4, z4 = ref.rtn_int4(w, 32, True)
+    w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 100, 32)
+    _close(OPS.int4_linear(x, ref.pack_int4(q4), s4, z4, 100, 32, None), ref.linear_ref(x, w4, None), torch.float32,
+           x.abs() @ w4.abs().T)
+    padded, wsum = ref.w8a8_layout(q)
+    expected = ref.w8a8_ref(x, padded, scale, 100, None)
+    torch.testing.assert_close(OPS.w8a8_linear(x, padded, scale, wsum, 100, None), expected, rtol=0, atol=0)
 
 
 def test_w8a8_reference_is_close_to_the_float_product() -> None:

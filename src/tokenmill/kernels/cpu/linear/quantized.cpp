@@ -69,33 +69,39 @@ void int8_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale,
   }
 }
 
+// xsum [MR][G]: each row's sum of x over each group, so the zero point comes off once per group
+// ((q - zero) . x = q . x - zero * sum(x)) instead of once per weight
 template <int MR>
-void int4_rows(const float* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t K,
-               int64_t group, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+void int4_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale,
+               const float* zero, int64_t K, int64_t group, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t Kp = round_up(K, 32), G = (K + group - 1) / group;
   const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = w + n * (Kp / 2);
     __m512 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    float corr[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), corr[r] = 0.0f;
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 z = _mm512_set1_ps(zero[n * G + g]);
       const int64_t k_end = std::min(Kp, (g + 1) * group);
       __m512 gacc[MR];
       for (int r = 0; r < MR; ++r) gacc[r] = _mm512_setzero_ps();
       for (int64_t k = g * group; k < k_end; k += 32) {
         __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + k / 2)));
-        __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), z);
-        __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), z);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
         for (int r = 0; r < MR; ++r) {
           gacc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k), lo, gacc[r]);
           gacc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k + 16), hi, gacc[r]);
         }
       }
-      const __m512 s = _mm512_set1_ps(scale[n * G + g]);
-      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(gacc[r], s, acc[r]);
+      const float s = scale[n * G + g], sz = s * zero[n * G + g];
+      const __m512 sv = _mm512_set1_ps(s);
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
+        corr[r] += sz * xsum[r * G + g];
+      }
     }
-    for (int r = 0; r < MR; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]) - corr[r];
   }
 }
 
@@ -165,19 +171,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   }
   check_x(x, K, "int4_linear");
   auto xf = padded_fp32(x, Kp);
+  // each row's sum over each group (the padding is zero)
+  auto xsum = at::zeros({M, G * group}, xf.options());
+  xsum.narrow(1, 0, std::min(Kp, G * group)).copy_(xf.narrow(1, 0, std::min(Kp, G * group)));
+  xsum = xsum.view({M, G, group}).sum(2).contiguous();
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
+  const float* xs = xsum.data_ptr<float>();
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
     const float* xm = xp + m * Kp;
+    const float* xsm = xs + m * G;
     float* ym = yp + m * N;
     switch (mr) {
-      case 1: int4_rows<1>(xm, Kp, wp, sp, zp, K, group, n0, n1, ym, N); break;
-      case 2: int4_rows<2>(xm, Kp, wp, sp, zp, K, group, n0, n1, ym, N); break;
-      case 3: int4_rows<3>(xm, Kp, wp, sp, zp, K, group, n0, n1, ym, N); break;
-      default: int4_rows<4>(xm, Kp, wp, sp, zp, K, group, n0, n1, ym, N); break;
+      case 1: int4_rows<1>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
+      case 2: int4_rows<2>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
+      case 3: int4_rows<3>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
+      default: int4_rows<4>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
     }
   });
   return finish(y, bias, x);
