@@ -19,6 +19,7 @@ import psutil
 
 from tokenmill.arch import ArchConfig, load_arch_config
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
+from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class ModelConfig:
     seed: int
     arch: ArchConfig
     served_model_name: str
+    quantization: QuantConfig | None = None  # the weights' (None: float)
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,9 @@ class EngineArgs:
                                           "reference) or cuda; auto: cuda on a GPU, else cpu, or sdpa with "
                                           "--no-cpu-kernels")
     cpu_kernels: bool = _arg(True, "tokenmill's C++ kernels on a CPU (decode attention, fused bf16 ops)")
+    quantization: str | None = _arg(None, "how the weights are quantized: " + ", ".join(QUANTIZATION_METHODS)
+                                    + " (default: as config.json's quantization_config says; int8, int4 and "
+                                      "w8a8 quantize a float checkpoint at load by round-to-nearest)")
     async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
                                                "where a CPU is free for the scheduling thread beside the compute "
                                                "threads, and always on a GPU)")
@@ -240,14 +245,15 @@ class EngineArgs:
         if backend not in available_backends():
             raise ValueError(f"attention_backend {backend!r} unknown; choose from {available_backends()}")
         model = ModelConfig(
-                model=self.model,
-                tokenizer=self.tokenizer or self.model,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=self.seed,
-                arch=arch,
-                served_model_name=self.served_model_name or self.model,
-            )
+            model=self.model,
+            tokenizer=self.tokenizer or self.model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            arch=arch,
+            served_model_name=self.served_model_name or self.model,
+            quantization=resolve_quantization(self.model, self.quantization),
+        )
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
                             else default_async_scheduling(device, self.num_threads))

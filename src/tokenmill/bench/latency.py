@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost, decode_floor
-from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
+from tokenmill.bench.results import ResultSink, emit, loaded_weight_bytes, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import run_dataset, spec_fields
 from tokenmill.bench.workload import random_workload
@@ -190,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
     roof = ceilings(config.model.dtype, args.bandwidth, args.flops, threads if device == "cpu" else 1,
                     measure_missing=args.roofline, device=device)
     context = args.input_len + args.output_len // 2
-    cost = ModelCost(arch, config.model.dtype, kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype))
+    quant = config.model.quantization
+    cost = ModelCost(arch, config.model.dtype, kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype),
+                     quantization=None if quant is None else quant.scheme)
     emit({
         "engine": "tokenmill", "bench": "latency", "model": args.model, "threads": threads,
         "dtype": config.model.dtype, "device": device, "attention_backend": config.attention_backend,
@@ -203,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         "decode_s_runs": [round(t.total_s - t.prefill_s, 5) for t in timings],
         "total_s_runs": [round(t.total_s, 5) for t in timings],
         **roofline_fields(cost, roof, b, context, b * args.input_len, prefill_s, step_s),
+        "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
+        "loaded_weight_bytes": loaded_weight_bytes(llm),
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),
         "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,
         "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,

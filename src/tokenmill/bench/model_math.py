@@ -8,6 +8,9 @@ Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
   position attended).
 - decode_weight_bytes: the weights one decode step must stream: matmul_params plus one embedding row
   per sequence (untied) - the lm_head is read in full, the embedding table only where used.
+- quantization (int8, w8a8, int4 with groups of 128): the decoder layers' projections are stored as
+  tokenmill holds them in memory (1 byte or half a byte per weight, fp32 scales per output row or per
+  row and group, int4's fp32 zero points, W8A8's int32 row sums); embeddings, norms and lm_head stay float.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
+QUANTIZED_FORMATS = ("int8", "w8a8", "int4")
+INT4_GROUP = 128
+
+
 @dataclass(frozen=True)
 class ModelCost:
     arch: ArchConfig
     dtype: str
     kv_dtype: str | None = None  # the KV cache's storage dtype (kv_cache_spec.kv_storage_dtype); None: dtype
+    quantization: str | None = None  # one of QUANTIZED_FORMATS: the projections' storage
 
     @property
     def elem_bytes(self) -> int:
@@ -72,11 +80,29 @@ class ModelCost:
 
     @property
     def weight_bytes(self) -> int:
-        return self.params * self.elem_bytes
+        return self.params * self.elem_bytes - self.quantization_saving
 
     def decode_weight_bytes(self, batch: int = 1) -> int:
         rows = 0 if self.arch.tie_word_embeddings else batch * self.arch.hidden_size
-        return (self.matmul_params + rows) * self.elem_bytes
+        return (self.matmul_params + rows) * self.elem_bytes - self.quantization_saving
+
+    @property
+    def quantization_saving(self) -> int:
+        """Bytes the quantized projections save over float ones (0 unquantized)."""
+        if self.quantization is None:
+            return 0
+        if self.quantization not in QUANTIZED_FORMATS:
+            raise ValueError(f"quantization {self.quantization!r} unknown; choose from {QUANTIZED_FORMATS}")
+        a = self.arch
+        q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
+        shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # (rows, columns): qkv, o, gate/up, down
+        quantized = 0
+        for rows, cols in shapes:
+            if self.quantization == "int4":
+                quantized += rows * cols // 2 + rows * -(-cols // INT4_GROUP) * 8
+            else:
+                quantized += rows * cols + rows * (8 if self.quantization == "w8a8" else 4)
+        return a.num_layers * (sum(r * c for r, c in shapes) * self.elem_bytes - quantized)
 
     @property
     def kv_bytes_per_token(self) -> int:

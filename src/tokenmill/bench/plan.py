@@ -11,7 +11,15 @@ import sys
 from typing import Any
 
 from tokenmill.arch import ArchConfig, load_arch_config
-from tokenmill.bench.model_math import ModelCost, decode_floor, dtype_bytes, kv_capacity, max_requests
+from tokenmill.bench.model_math import (
+    INT4_GROUP,
+    QUANTIZED_FORMATS,
+    ModelCost,
+    decode_floor,
+    dtype_bytes,
+    kv_capacity,
+    max_requests,
+)
 from tokenmill.bench.roofline import Ceilings, ceilings
 from tokenmill.config import default_block_size, parse_memory
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
@@ -89,6 +97,8 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
         "weight_bytes": cost.weight_bytes, "decode_weight_bytes": cost.decode_weight_bytes(1),
         "kv_cache_dtype": kv_choice, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_cache_dtypes": kv_dtype_table(arch, dtype, kv_budget, args.block_size, max_len, context),
+        "weight_bytes_by_format": {f: ModelCost(arch, dtype, quantization=None if f == dtype else f).weight_bytes
+                                   for f in (dtype, *QUANTIZED_FORMATS)},
         "layers": arch.num_layers, "heads": arch.num_heads,
         "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "max_model_len": max_len,
         "memory_bytes": memory, "kv_cache_bytes": kv_budget, "block_size": args.block_size,
@@ -149,6 +159,8 @@ def render(plan: dict[str, Any]) -> str:
         f"model        {p['model']}  ({p['architecture']}, {p['dtype']})",
         f"parameters   {_count(p['params'])}  (embedding {_count(p['embedding_params'])}, {tied}); "
         f"weights {p['weight_bytes'] / 1e6:.1f} MB",
+        "weights by   " + ", ".join(f"{f} {b / 1e6:.1f} MB" for f, b in p["weight_bytes_by_format"].items())
+        + f" (int4: groups of {INT4_GROUP})",
         f"per decode   {p['decode_weight_bytes'] / 1e6:.1f} MB of weights read per step "
         "(embedding table: used rows only)",
         f"KV cache     {p['kv_bytes_per_token']} B/token with --kv-cache-dtype {p['kv_cache_dtype']}  (K and V of "

@@ -38,6 +38,11 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def loaded_weight_bytes(llm: Any) -> int:
+    """The model's parameter bytes as the (first) worker holds them in memory."""
+    return int(llm.engine.core.executor.collective_rpc("weight_bytes")[0])
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost
-from tokenmill.bench.results import ResultSink, emit, peak_rss_mb, require_positive, sig
+from tokenmill.bench.results import ResultSink, emit, loaded_weight_bytes, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import spec_fields
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
@@ -105,8 +105,10 @@ def run(args: argparse.Namespace) -> int:
         steps.append(llm.engine.stats.num_steps - steps0)
     wall, step_count = statistics.median(walls), statistics.median(steps)
     lens = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs]  # the last run's
+    quant = config.model.quantization
     cost = ModelCost(config.model.arch, config.model.dtype,
-                     kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype))
+                     kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype),
+                     quantization=None if quant is None else quant.scheme)
     bs, blocks = config.cache.block_size, llm.engine.core.num_blocks
     seq_len = max(p + r.max_tokens for (p, _), r in zip(lens, reqs, strict=True))
     prompt_tokens, output_tokens = sum(p for p, _ in lens), sum(o for _, o in lens)
@@ -127,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         **estimates(cost, lens, step_count, wall, roof),
         "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_seq_len": seq_len, "kv_seqs_fit": blocks // -(-seq_len // bs),
+        "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
+        "weight_bytes": cost.weight_bytes, "loaded_weight_bytes": loaded_weight_bytes(llm),
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefix_caching": config.cache.enable_prefix_caching,

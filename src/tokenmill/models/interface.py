@@ -25,6 +25,8 @@ class ModelOptions:
 
     dtype: torch.dtype
     linear_method: LinearMethod = field(default_factory=UnquantizedLinearMethod)
+    # the lm_head's, where it differs (quantized checkpoints keep a float lm_head); None: linear_method
+    lm_head_method: LinearMethod | None = None
 
 
 @runtime_checkable

@@ -113,7 +113,8 @@ def build_model(cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
     # nothing; the checkpoint then fills it. (Building on the meta device and calling to_empty imports
     # torch's symbolic-shape machinery at start-up.)
     with torch.device(device), _default_dtype(dtype):
-        model: nn.Module = cls(cfg, ModelOptions(dtype, linear_method or UnquantizedLinearMethod()))
+        method = linear_method or UnquantizedLinearMethod()
+        model: nn.Module = cls(cfg, ModelOptions(dtype, method, getattr(method, "lm_head_method", None)))
     return model.requires_grad_(False)
 
 
@@ -125,9 +126,12 @@ def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torc
         missing = missing_weights(model, loaded)
         if missing:
             raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(module, LinearBase):
-                module.method.process_weights_after_loading(module)
+                try:
+                    module.method.process_weights_after_loading(module)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint in {model_dir!r}, layer {name}: {e}") from None
     return model.eval()
 
 

@@ -18,7 +18,8 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, kv_storage_dtype
 from tokenmill.layers import use_cpu_kernels
-from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearMethod, UnquantizedLinearMethod
+from tokenmill.layers.quantization import QuantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.spec_decode.adaptive import SpecDecoder
 from tokenmill.spec_decode.proposer import ProposerContext
@@ -52,11 +53,24 @@ class Worker:
         use_ops = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.device.cpu_kernels
         self.ops: Any = load_cpu_kernels() if use_ops else None
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
-                                     UnquantizedLinearMethod(self.ops))
+                                     self._linear_method())
         use_cpu_kernels(self.model, self.ops)
         self.backend = get_backend(cfg.attention_backend)
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, cfg.model.dtype)
         check_kv_cache_dtype(self.backend, self.kv_dtype)
+
+    def _linear_method(self) -> LinearMethod:
+        """The checkpoint's quantized method (whose kernels take fp32 too), or the float one."""
+        quant = self.config.model.quantization
+        if quant is None:
+            return UnquantizedLinearMethod(self.ops)
+        use_quant_ops = self.device.type == "cpu" and self.config.device.cpu_kernels
+        return QuantizedLinearMethod(quant, load_cpu_kernels() if use_quant_ops else None, self.ops)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded model's parameters (a tied tensor once), as they sit in memory."""
+        tensors = {id(p): p for p in self.model.parameters()}.values()
+        return sum(int(torch.ops.mkldnn._nbytes(p)) if p.is_mkldnn else p.numel() * p.element_size() for p in tensors)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return kv_cache_specs(self.model, self.config.cache.block_size, self.kv_dtype)

@@ -1,0 +1,288 @@
+// Quantized linear layers that dequantize in registers: no float copy of the weight is made.
+// x [M, K] (bf16 or fp32) is converted once to fp32 (zero-padded in K); accumulation is fp32 (W8A16,
+// W4A16) or exact int32 (W8A8); bias is added in fp32 and the output has x's dtype.
+//
+// Layouts (made by tokenmill.layers.quantization from every checkpoint format):
+// - int8_linear: weight int8 [N, K], scale fp32 [N]: y = (x . w_n) * scale_n.
+// - int4_linear: weight uint8 [N, Kp/2] (Kp = K padded to 32): within each run of 32 k, byte j holds
+//   k = j in its low nibble and k = j + 16 in its high nibble, so one 16-byte load gives two runs of
+//   16 consecutive k. scale and zero fp32 [N, ceil(K / group)]: w = (q - zero) * scale; group is a
+//   multiple of 32 (or covers all of K).
+// - w8a8_linear: weight int8 [N, Kp] (Kp = K padded to 64, with zeros), scale fp32 [N], wsum int32 [N]
+//   (the row sums of the weight). Each row of x is quantized to int8 with its own scale
+//   (amax / 127, round half to even) and offset by 128 to unsigned for VNNI's u8 x s8 dot products;
+//   the offset comes back off as 128 * wsum.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kRowTile = 4;  // rows of x sharing one pass over the weight
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// x as fp32 [M, Kp], zero beyond K
+at::Tensor padded_fp32(const at::Tensor& x, int64_t Kp) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xf = at::zeros({M, Kp}, x.options().dtype(at::kFloat));
+  xf.narrow(1, 0, K).copy_(x);
+  return xf;
+}
+
+void check_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be [M, ", K, "]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bf16 or fp32");
+}
+
+at::Tensor finish(at::Tensor y, const c10::optional<at::Tensor>& bias, const at::Tensor& x) {
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+template <int MR>
+void int8_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t K, int64_t n0,
+               int64_t n1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * K;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + k))));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k), wv, acc[r]);
+    }
+    if (k < K) {
+      __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+      __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, wn + k)));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k), wv, acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]) * scale[n];
+  }
+}
+
+// xsum [MR][G]: each row's sum of x over each group, so the zero point comes off once per group
+// ((q - zero) . x = q . x - zero * sum(x)) instead of once per weight
+template <int MR>
+void int4_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale,
+               const float* zero, int64_t K, int64_t group, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t Kp = round_up(K, 32), G = (K + group - 1) / group;
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wn = w + n * (Kp / 2);
+    __m512 acc[MR];
+    float corr[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), corr[r] = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k_end = std::min(Kp, (g + 1) * group);
+      __m512 gacc[MR];
+      for (int r = 0; r < MR; ++r) gacc[r] = _mm512_setzero_ps();
+      for (int64_t k = g * group; k < k_end; k += 32) {
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + k / 2)));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        for (int r = 0; r < MR; ++r) {
+          gacc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k), lo, gacc[r]);
+          gacc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k + 16), hi, gacc[r]);
+        }
+      }
+      const float s = scale[n * G + g], sz = s * zero[n * G + g];
+      const __m512 sv = _mm512_set1_ps(s);
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
+        corr[r] += sz * xsum[r * G + g];
+      }
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]) - corr[r];
+  }
+}
+
+template <int MR>
+void w8a8_rows(const uint8_t* x, int64_t Kp, const int8_t* w, const float* xs, const float* scale,
+               const int32_t* wsum, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * Kp;
+    __m512i acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < Kp; k += 64) {
+      __m512i wv = _mm512_loadu_si512(wn + k);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(x + r * Kp + k), wv);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int32_t dot = _mm512_reduce_add_epi32(acc[r]) - 128 * wsum[n];
+      y[r * ldy + n] = static_cast<float>(dot) * (xs[r] * scale[n]);
+    }
+  }
+}
+
+// rows of x in tiles of up to kRowTile, each tile over every output; outputs split across threads
+template <typename Fn>
+void over_tiles(int64_t M, int64_t N, Fn fn) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += kRowTile) fn(m, std::min(kRowTile, M - m), n0, n1);
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(), "int8_linear: weight");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "int8_linear: scale");
+  const int64_t N = weight.size(0), K = weight.size(1), M = x.size(0);
+  check_x(x, K, "int8_linear");
+  const int64_t Kp = round_up(K, 16);
+  auto xf = padded_fp32(x, Kp);
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
+    const float* xm = xp + m * Kp;
+    float* ym = yp + m * N;
+    switch (mr) {
+      case 1: int8_rows<1>(xm, Kp, wp, sp, K, n0, n1, ym, N); break;
+      case 2: int8_rows<2>(xm, Kp, wp, sp, K, n0, n1, ym, N); break;
+      case 3: int8_rows<3>(xm, Kp, wp, sp, K, n0, n1, ym, N); break;
+      default: int8_rows<4>(xm, Kp, wp, sp, K, n0, n1, ym, N); break;
+    }
+  });
+  return finish(y, bias, x);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& zero,
+                       int64_t in_features, int64_t group, const c10::optional<at::Tensor>& bias) {
+  const int64_t K = in_features, Kp = round_up(K, 32), N = weight.size(0), M = x.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.size(1) == Kp / 2 &&
+              weight.is_contiguous(), "int4_linear: weight must be uint8 [N, ", Kp / 2, "]");
+  TORCH_CHECK(group > 0 && (group % 32 == 0 || group >= K), "int4_linear: group ", group,
+              " is not a multiple of 32 and does not cover K");
+  const int64_t G = (K + group - 1) / group;
+  for (const auto* t : {&scale, &zero}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * G,
+                "int4_linear: scale and zero must be fp32 [N, ", G, "]");
+  }
+  check_x(x, K, "int4_linear");
+  auto xf = padded_fp32(x, Kp);
+  // each row's sum over each group (the padding is zero)
+  auto xsum = at::zeros({M, G * group}, xf.options());
+  xsum.narrow(1, 0, std::min(Kp, G * group)).copy_(xf.narrow(1, 0, std::min(Kp, G * group)));
+  xsum = xsum.view({M, G, group}).sum(2).contiguous();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const float* xs = xsum.data_ptr<float>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
+    const float* xm = xp + m * Kp;
+    const float* xsm = xs + m * G;
+    float* ym = yp + m * N;
+    switch (mr) {
+      case 1: int4_rows<1>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
+      case 2: int4_rows<2>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
+      case 3: int4_rows<3>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
+      default: int4_rows<4>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
+    }
+  });
+  return finish(y, bias, x);
+}
+
+// each row of x as unsigned int8 (q + 128) [M, Kp] and its scale [M]; the reference rounds the same way
+void quantize_rows(const float* x, int64_t M, int64_t Kp, uint8_t* q, float* xs) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = x + m * Kp;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < Kp; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xm + k)));
+      const float s = std::max(_mm512_reduce_max_ps(amax), 1e-10f) / 127.0f;
+      xs[m] = s;
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
+      for (int64_t k = 0; k < Kp; k += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xm + k), sv));  // round half to even
+        v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * Kp + k), _mm512_cvtepi32_epi8(v));
+      }
+    }
+  });
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& wsum,
+                       int64_t in_features, const c10::optional<at::Tensor>& bias) {
+  const int64_t K = in_features, Kp = round_up(K, 64), N = weight.size(0), M = x.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(1) == Kp &&
+              weight.is_contiguous(), "w8a8_linear: weight must be int8 [N, ", Kp, "]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N, "w8a8_linear: scale");
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.numel() == N, "w8a8_linear: wsum");
+  check_x(x, K, "w8a8_linear");
+  auto xf = padded_fp32(x, Kp);
+  std::vector<uint8_t> xq(M * Kp);
+  std::vector<float> xs(M);
+  quantize_rows(xf.data_ptr<float>(), M, Kp, xq.data(), xs.data());
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int32_t* wsp = wsum.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
+    const uint8_t* xm = xq.data() + m * Kp;
+    const float* xsm = xs.data() + m;
+    float* ym = yp + m * N;
+    switch (mr) {
+      case 1: w8a8_rows<1>(xm, Kp, wp, xsm, sp, wsp, n0, n1, ym, N); break;
+      case 2: w8a8_rows<2>(xm, Kp, wp, xsm, sp, wsp, n0, n1, ym, N); break;
+      case 3: w8a8_rows<3>(xm, Kp, wp, xsm, sp, wsp, n0, n1, ym, N); break;
+      default: w8a8_rows<4>(xm, Kp, wp, xsm, sp, wsp, n0, n1, ym, N); break;
+    }
+  });
+  return finish(y, bias, x);
+}
+
+bool has_quantized_linear() { return true; }
+
+}  // namespace
+
+#else  // no AVX-512 BW/VNNI: the quantized methods keep their torch reference path
+
+namespace {
+
+[[noreturn]] void unavailable() { TORCH_CHECK(false, "quantized linear kernels: built without AVX512-BW/VNNI"); }
+
+at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  unavailable();
+}
+at::Tensor int4_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                       const c10::optional<at::Tensor>&) {
+  unavailable();
+}
+at::Tensor w8a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                       const c10::optional<at::Tensor>&) {
+  unavailable();
+}
+bool has_quantized_linear() { return false; }
+
+}  // namespace
+
+#endif
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("has_quantized_linear() -> bool", &has_quantized_linear);
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, Tensor zero, int in_features, int group, "
+        "Tensor? bias) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, int in_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
+}

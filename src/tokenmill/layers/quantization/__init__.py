@@ -1,0 +1,152 @@
+"""Quantized linear methods: W8A16 int8 per output channel, W4A16 int4 group-wise (symmetric or with
+zero points), W8A8 (int8 weights, dynamic per-token int8 activations), read from compressed-tensors,
+GPTQ and AWQ checkpoints or quantized at load by round-to-nearest (`quantization_config.py`).
+
+A `QuantizedLinearMethod` registers the checkpoint format's parameters (`formats.py`), turns them after
+loading into the layout tokenmill's kernels read (`reference.py`) and drops them, so no float copy of
+a weight stays in memory. `apply` runs the C++ kernels (kernels/cpu/linear/quantized.cpp), which
+dequantize in registers, where they are built and the CPU has AVX-512 BW and VNNI; elsewhere, and for
+W8A16/W4A16 batches over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
+then a float matmul). The lm_head stays a float layer (`lm_head_method`), as the formats leave it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from tokenmill.layers.quantization import formats
+from tokenmill.layers.quantization import reference as ref
+from tokenmill.quantization_config import QuantConfig
+
+logger = logging.getLogger(__name__)
+KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the kernels take; larger batches are compute-bound matmuls
+REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def quantized_kernels(ops: Any) -> Any:
+    """ops where its quantized-linear kernels are built and this CPU runs them, else None (logged)."""
+    if ops is None:
+        return None
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if missing or not ops.has_quantized_linear():
+        logger.info("quantized linear kernels unavailable (CPU lacks %s); using the torch reference path",
+                    ", ".join(missing) or "the build's AVX-512 BW/VNNI")
+        return None
+    return ops
+
+
+def _set(layer: LinearBase, name: str, t: torch.Tensor) -> None:
+    setattr(layer, name, nn.Parameter(t.contiguous(), requires_grad=False))
+
+
+def _t(layer: LinearBase, name: str) -> torch.Tensor:
+    t = getattr(layer, name)
+    assert isinstance(t, torch.Tensor), name
+    return t
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """What a quantized layer's kernels need besides its tensors."""
+
+    scheme: str
+    group_size: int = 0  # int4
+    input_perm: torch.Tensor | None = None  # GPTQ act-order: x's columns in this order
+
+
+def layout_of(layer: LinearBase) -> QuantLayout:
+    layout = layer.__dict__.get("quant_layout")
+    if not isinstance(layout, QuantLayout):
+        raise ValueError("the layer's quantized weights are not processed yet")
+    return layout
+
+
+class QuantizedLinearMethod:
+    """One LinearMethod for every format and scheme of `cfg`. `ops`: tokenmill's C++ CPU kernels (or
+    None: the reference path). `lm_head_ops`: what the float lm_head's method gets."""
+
+    def __init__(self, cfg: QuantConfig, ops: Any = None, lm_head_ops: Any = None) -> None:
+        self.cfg = cfg
+        self.kernels = quantized_kernels(ops)
+        self.lm_head_method: LinearMethod = UnquantizedLinearMethod(lm_head_ops)
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        formats.create_checkpoint_params(self.cfg, layer, dtype)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        w = formats.to_int_weights(self.cfg, layer)
+        for name in formats.checkpoint_param_names(layer):
+            delattr(layer, name)
+        group = 0
+        if self.cfg.scheme == "int4":
+            if w.zero is None:
+                raise ValueError("int4 weights without zero points")
+            if int(w.q.max()) > 15:
+                raise ValueError("int4 weights hold values over 15 (is the checkpoint 4-bit?)")
+            _set(layer, "qweight", ref.pack_int4(w.q))
+            _set(layer, "zeros", w.zero.float())
+            group = formats.group_of(self.cfg, layer.input_size)
+        elif self.cfg.scheme == "w8a8":
+            padded, wsum = ref.w8a8_layout(w.q)
+            _set(layer, "qweight", padded)
+            _set(layer, "weight_sum", wsum)
+        else:
+            _set(layer, "qweight", w.q)
+        _set(layer, "scales", w.scale.float())
+        perm = w.perm.to(w.scale.device) if w.perm is not None else None
+        layer.__dict__["quant_layout"] = QuantLayout(self.cfg.scheme, group, perm)
+
+    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+        """The fp32 [N, K] weight this layer multiplies by (in the checkpoint's column order)."""
+        layout = layout_of(layer)
+        if layout.scheme == "int4":
+            w = ref.dequantize_int4(_t(layer, "qweight"), _t(layer, "scales"), _t(layer, "zeros"), layer.input_size,
+                                    layout.group_size)
+            return w if layout.input_perm is None else w[:, torch.argsort(layout.input_perm)]
+        return ref.dequantize_int8(_t(layer, "qweight")[:, :layer.input_size], _t(layer, "scales"))
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        layout = layout_of(layer)
+        rows = x.reshape(-1, layer.input_size)
+        kernels = self.kernels if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32) else None
+        q, scales, k, bias = _t(layer, "qweight"), _t(layer, "scales"), layer.input_size, layer.bias
+        if layout.scheme == "w8a8":
+            y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
+                 else ref.w8a8_ref(rows, q, scales, k, bias))
+        elif kernels is None or rows.shape[0] > KERNEL_MAX_ROWS:
+            y = ref.linear_ref(rows if layout.input_perm is None else rows[:, layout.input_perm],
+                               self.dequantized_weight(layer) if layout.input_perm is None
+                               else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size), bias)
+        elif layout.scheme == "int8":
+            y = kernels.int8_linear(rows, q, scales, bias)
+        else:
+            if layout.input_perm is not None:
+                rows = rows[:, layout.input_perm]
+            y = kernels.int4_linear(rows, q, scales, _t(layer, "zeros"), k, layout.group_size, bias)
+        out: torch.Tensor = y.view(*x.shape[:-1], layer.output_size)
+        return out
+
+
+def reference_method(cfg: QuantConfig) -> QuantizedLinearMethod:
+    """The method with its kernels off: the torch reference path."""
+    return QuantizedLinearMethod(cfg, None)

@@ -1,0 +1,48 @@
+"""Weight bytes of quantized models: ModelCost's arithmetic equals the bytes a loaded quantized model
+holds; `tokenmill plan` lists them per format, and `bench latency` reports both with --quantization."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.bench.test_latency_roofline import last_json
+from tokenmill.arch import load_arch_config
+from tokenmill.bench.model_math import QUANTIZED_FORMATS, ModelCost
+from tokenmill.config import EngineArgs
+from tokenmill.entrypoints.cli import main
+from tokenmill.worker.worker import Worker
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_model_cost_counts_the_loaded_bytes(model_dirs: dict[str, str], fmt: str) -> None:
+    for name in ("llama-gqa4-untied", "llama-gqa2-tied"):
+        d = model_dirs[name]
+        config = EngineArgs(d, dtype="float32", quantization=fmt, kv_cache_memory="8MiB").create_engine_config()
+        worker = Worker(config)
+        cost = ModelCost(load_arch_config(d), "float32", quantization=fmt)
+        assert worker.weight_bytes() == cost.weight_bytes, name
+        assert cost.weight_bytes < ModelCost(load_arch_config(d), "float32").weight_bytes
+
+
+def test_plan_lists_weight_bytes_per_format(model_dirs: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    d = model_dirs["llama-gqa4-untied"]
+    assert main(["plan", d, "--dtype", "bfloat16", "--json", "--bandwidth", "1",
+                 "--flops", "1"]) == 0
+    by = json.loads(capsys.readouterr().out)["weight_bytes_by_format"]
+    assert list(by) == ["bfloat16", "int8", "w8a8", "int4"]
+    assert by["int4"] < by["int8"] < by["w8a8"] < by["bfloat16"]
+    assert main(["plan", d, "--dtype", "bfloat16", "--bandwidth", "1", "--flops", "1"]) == 0
+    assert "int4 " in capsys.readouterr().out
+
+
+def test_latency_bench_reports_quantized_weight_bytes(llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "latency", "--model", llama_dir, "--dtype", "float32", "--kv-cache-memory", "8MiB",
+            "--num-threads", "1", "--input-len", "8", "--output-len", "3", "--runs", "1", "--warmup", "0",
+            "--no-roofline", "--quantization", "int4"]
+    assert main(argv) == 0
+    r = last_json(capsys)
+    assert (r["quantization"], r["weight_format"]) == ("rtn", "int4")
+    assert r["loaded_weight_bytes"] == r["weight_bytes"] == ModelCost(load_arch_config(llama_dir), "float32",
+                                                                      quantization="int4").weight_bytes

@@ -1,0 +1,108 @@
+"""The quantized linear kernels (kernels/cpu/linear/quantized.cpp) against their torch references
+(layers/quantization/reference.py), for every group size, symmetric and asymmetric int4, K off the
+group and off the kernels' 16/32/64 runs, and N = 1..7 outputs and rows.
+
+Tolerances: fp32 activations give fp32 sums in another order, so 1e-5 relative to the output's scale;
+bf16 activations round the output to bf16 (2^-8 relative) and the reference multiplies a bf16-rounded
+weight, so 2^-6 relative to the output's scale. W8A8's integer products are exact in both, so its
+fp32 outputs match to the last bit, and bf16 ones to bf16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers.quantization import reference as ref
+
+OPS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_quantized_linear(),
+                                reason="quantized kernels unavailable (no AVX-512 BW/VNNI)")
+# (rows of x, outputs, K): K on and off the group and the 16/32/64 runs, 1 to 7 outputs, row tiles and tails
+SHAPES = [(1, 1, 32), (3, 7, 70), (7, 5, 200), (13, 33, 130), (4, 96, 256)]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, magnitude: torch.Tensor) -> None:
+    """magnitude: |x| @ |w|^T (+ |bias|), the size of the terms summed into each output."""
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=tol * float(magnitude.max()) + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int8(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    q, scale = ref.rtn_int8(torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    got = OPS.int8_linear(x, q, scale, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    w = ref.dequantize_int8(q, scale)
+    _close(got, ref.linear_ref(x, w, bias), dtype, x.float().abs() @ w.abs().T + bias.float().abs())
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, None])
+@pytest.mark.parametrize("zero_point", [False, True])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int4(m: int, n: int, k: int, group: int | None, zero_point: bool) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    g = group or k
+    q, scale, zero = ref.rtn_int4(torch.randn(n, k, generator=gen) + (0.3 if zero_point else 0), g, zero_point)
+    packed = ref.pack_int4(q)
+    assert torch.equal(ref.unpack_int4(packed, k), q)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        got = OPS.int4_linear(x, packed, scale, zero, k, g, None)
+        w = ref.dequantize_int4(packed, scale, zero, k, g)
+        _close(got, ref.linear_ref(x, w, None), dtype, x.float().abs() @ w.abs().T)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_w8a8(m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    q, scale = ref.rtn_int8(torch.randn(n, k, generator=gen))
+    padded, wsum = ref.w8a8_layout(q)
+    x = torch.randn(m, k, generator=gen)
+    x[0] = 0.0  # an all-zero row: its scale is clamped, not a division by zero
+    bias = torch.randn(n, generator=gen)
+    got = OPS.w8a8_linear(x, padded, scale, wsum, k, bias)
+    torch.testing.assert_close(got, ref.w8a8_ref(x, padded, scale, k, bias), rtol=0, atol=0)
+    xb = x.bfloat16()
+    _close(OPS.w8a8_linear(xb, padded, scale, wsum, k, bias.bfloat16()),
+           ref.w8a8_ref(xb, padded, scale, k, bias.bfloat16()), torch.bfloat16,
+           xb.float().abs() @ ref.dequantize_int8(q, scale).abs().T + bias.abs())
+
+
+@pytest.mark.parametrize("m", range(1, 8))
+def test_every_row_count(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    w, x = torch.randn(6, 100, generator=gen), torch.randn(m, 100, generator=gen)
+    q, scale = ref.rtn_int8(w)
+    _close(OPS.int8_linear(x, q, scale, None), ref.linear_ref(x, ref.dequantize_int8(q, scale), None), torch.float32,
+           x.abs() @ w.abs().T)
+    q4, s4, z4 = ref.rtn_int4(w, 32, True)
+    w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 100, 32)
+    _close(OPS.int4_linear(x, ref.pack_int4(q4), s4, z4, 100, 32, None), ref.linear_ref(x, w4, None), torch.float32,
+           x.abs() @ w4.abs().T)
+    padded, wsum = ref.w8a8_layout(q)
+    expected = ref.w8a8_ref(x, padded, scale, 100, None)
+    torch.testing.assert_close(OPS.w8a8_linear(x, padded, scale, wsum, 100, None), expected, rtol=0, atol=0)
+
+
+def test_w8a8_reference_is_close_to_the_float_product() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(48, 256, generator=gen), torch.randn(5, 256, generator=gen)
+    q, scale = ref.rtn_int8(w)
+    padded, _ = ref.w8a8_layout(q)
+    y = ref.w8a8_ref(x, padded, scale, 256, None)
+    expected = x @ w.T
+    assert float((y - expected).norm() / expected.norm()) < 0.02
+
+
+def test_kernels_check_their_input() -> None:
+    q, scale = ref.rtn_int8(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="x must be"):
+        OPS.int8_linear(torch.randn(2, 63), q, scale, None)
+    with pytest.raises(RuntimeError, match="group"):
+        OPS.int4_linear(torch.randn(2, 64), torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2),
+                        torch.ones(8, 2), 64, 48, None)

@@ -1,0 +1,133 @@
+"""Quantized checkpoints that do not fit fail at load with one message naming the tensor (or the
+config.json key); quantization_config is detected and --quantization overrides it; the fused decode path
+declines quantized models, which then decode by the layer path."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.models import quant_writers as qw
+from tokenmill import LLM, SamplingParams
+from tokenmill.arch import load_arch_config
+from tokenmill.config import EngineArgs
+from tokenmill.layers.quantization import QuantizedLinearMethod
+from tokenmill.models.loader import load_model
+from tokenmill.quantization_config import QuantConfig, resolve_quantization
+
+
+def _load(model_dir: str, quantization: str | None = None) -> Any:
+    cfg = resolve_quantization(model_dir, quantization)
+    assert cfg is not None
+    return load_model(model_dir, load_arch_config(model_dir), torch.float32, torch.device("cpu"),
+                      QuantizedLinearMethod(cfg))
+
+
+def _edit_config(model_dir: str, **changes: Any) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"].update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def _drop(model_dir: str, name: str) -> None:
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    del tensors[name]
+    save_file(tensors, path)
+
+
+def test_detection_and_override(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    src = model_dirs["llama-gqa4-untied"]
+    gptq = os.path.join(tmp_path, "gptq")
+    qw.write_gptq(src, gptq, os.path.join(tmp_path, "ref"), 32, act_order=True)
+    assert resolve_quantization(gptq, None) == QuantConfig("gptq", "int4", 32, act_order=True, gptq_zero_offset=1)
+    assert resolve_quantization(gptq, "gptq") == resolve_quantization(gptq, None)
+    assert resolve_quantization(src, None) is None
+    assert resolve_quantization(src, "int4") == QuantConfig("rtn", "int4", 128)
+    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+        resolve_quantization(gptq, "awq")
+    with pytest.raises(ValueError, match="already quantized"):
+        resolve_quantization(gptq, "int8")
+    with pytest.raises(ValueError, match="unknown"):
+        EngineArgs(src, quantization="int3").create_engine_config()
+    assert EngineArgs(gptq).create_engine_config().model.quantization == resolve_quantization(gptq, None)
+
+
+def test_a_missing_scale_is_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(tmp_path, "ct")
+    qw.write_compressed_tensors(model_dirs["llama-gqa4-untied"], out, os.path.join(tmp_path, "ref"), "int4", 32)
+    _drop(out, "model.layers.1.self_attn.k_proj.weight_scale")
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight_scale\[k\]"):
+        _load(out)
+
+
+def test_a_wrong_group_size_is_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(tmp_path, "gptq")
+    qw.write_gptq(model_dirs["llama-gqa4-untied"], out, os.path.join(tmp_path, "ref"), 32, act_order=False)
+    _edit_config(out, group_size=64)
+    named = r"tensor 'model\.layers\.0\.mlp\.down_proj\.qzeros'.*\[4, 8\].*\[2, 8\].*group size 64"
+    with pytest.raises(ValueError, match=named):
+        _load(out)
+    _edit_config(out, group_size=48)
+    with pytest.raises(ValueError, match="group_size 48 is not supported"):
+        resolve_quantization(out, None)
+
+
+def test_act_order_groups_that_do_not_fit_the_group_size_are_named(model_dirs: dict[str, str],
+                                                                   tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(tmp_path, "gptq")
+    qw.write_gptq(model_dirs["llama-gqa4-untied"], out, os.path.join(tmp_path, "ref"), 32, act_order=True)
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.down_proj.g_idx"] = torch.zeros_like(tensors["model.layers.0.mlp.down_proj.g_idx"])
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"layer layers\.0\.mlp\.down_proj: g_idx does not assign 32"):
+        _load(out)
+
+
+def test_unknown_bits_and_unsupported_schemes_are_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(tmp_path, "awq")
+    qw.write_awq(model_dirs["llama-gqa4-untied"], out, os.path.join(tmp_path, "ref"), 32)
+    _edit_config(out, bits=3)
+    with pytest.raises(ValueError, match=r"awq quantization_config\.bits 3 is not supported"):
+        resolve_quantization(out, None)
+    _edit_config(out, bits=4, version="gemv")
+    with pytest.raises(ValueError, match="version 'gemv' is not supported"):
+        resolve_quantization(out, None)
+    ct = os.path.join(tmp_path, "ct")
+    qw.write_compressed_tensors(model_dirs["llama-gqa4-untied"], ct, os.path.join(tmp_path, "ref2"), "int8")
+    with open(os.path.join(ct, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "float"
+    with open(os.path.join(ct, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="type 'float' is not supported"):
+        resolve_quantization(ct, None)
+
+
+def test_a_float_tensor_where_int8_is_stored_is_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(tmp_path, "ct")
+    qw.write_compressed_tensors(model_dirs["llama-gqa4-untied"], out, os.path.join(tmp_path, "ref"), "int8")
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].float()
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*float32.*int8"):
+        _load(out)
+
+
+def test_the_fused_decode_path_declines_quantized_models(model_dirs: dict[str, str]) -> None:
+    src = model_dirs["llama-gqa4-untied"]
+    llm = LLM(src, dtype="bfloat16", kv_cache_memory="8MiB", quantization="int8")
+    runner = llm.engine.core.executor.worker.runner()  # type: ignore[attr-defined]
+    assert runner.fused_decode is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
