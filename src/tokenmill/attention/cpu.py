@@ -8,7 +8,11 @@ cache read at all.
 `CpuBackend`: decodes and (bf16, on CPUs with AVX512-BF16) all prefill chunks of a step read
 K/V in place from the paged cache in C++ kernels (kernels/cpu/attention/paged_decode.cpp,
 kernels/cpu/attention/prefill_attention.cpp), with no gather copy. Falls back to SDPA where a kernel cannot be
-built or does not apply."""
+built or does not apply.
+
+Each layer attends with its own window (`AttentionMetadata.sliding_window`, set per layer); scores
+soft-capped by tanh (`AttentionMetadata.softcap`, Gemma 2), which neither SDPA nor the C++ kernels do,
+take the same arithmetic written out in float32 (`_attend_math`)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, write_kv
+from tokenmill.attention.backend import AttentionMetadata, causal_mask, gather_context, soft_cap, write_kv
 from tokenmill.kernels import load_cpu_kernels
 
 # SDPA kernels for CUDA: not cuDNN's, which builds a costly plan for each new shape, so that a first pass
@@ -29,22 +33,8 @@ class SdpaBackend:
     name = "sdpa"
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
-        d = meta.num_decodes
-        if d == 0:
-            return
-        lens = torch.tensor(meta.seq_lens[:d], device=device)
-        max_len = max(meta.seq_lens[:d])
-        n_blocks = -(-max_len // meta.block_size)
-        table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
-                              for bt in meta.block_tables[:d]], device=device)
-        offsets = torch.arange(meta.block_size, device=device)
-        idx = (table[:, :, None] * meta.block_size + offsets).view(d, -1)[:, :max_len]
-        pos = torch.arange(max_len, device=device)
-        mask = pos[None, :] < lens[:, None]
-        if meta.sliding_window is not None:
-            mask &= pos[None, :] >= (lens - meta.sliding_window)[:, None]
-        meta.extra["decode_index"] = idx.reshape(-1)
-        meta.extra["decode_mask"] = mask[:, None, None, :]
+        if meta.num_decodes:
+            _prepare_gather(meta, device)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -72,12 +62,17 @@ class SdpaBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         d, hq, dim = q.shape
         hk = k_cache.shape[2]
-        idx, mask = meta.extra["decode_index"], meta.extra["decode_mask"]
+        if "sdpa_index" not in meta.extra:  # a CpuBackend step whose layer needs this path
+            _prepare_gather(meta, q.device)
+        idx, mask = meta.extra["sdpa_index"], _decode_mask(meta)
         length = mask.shape[-1]
         k = k_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
         v = v_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
         qg = q.view(d, hk, hq // hk, dim)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        if meta.softcap is not None:
+            o = _attend_math(qg, k, v, mask, scale, meta.softcap)
+        else:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return o.reshape(d, hq, dim)
 
     @staticmethod
@@ -87,7 +82,7 @@ class SdpaBackend:
         ctx = meta.seq_lens[b]
         window = meta.sliding_window
         qh = q.transpose(0, 1).unsqueeze(0)
-        if ctx == n and (window is None or window >= n):
+        if ctx == n and (window is None or window >= n) and meta.softcap is None:
             k = k_new.transpose(0, 1).unsqueeze(0)
             v = v_new.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -95,7 +90,12 @@ class SdpaBackend:
             k = gather_context(k_cache, meta.block_tables[b], ctx).transpose(0, 1).unsqueeze(0)
             v = gather_context(v_cache, meta.block_tables[b], ctx).transpose(0, 1).unsqueeze(0)
             mask = causal_mask(torch.arange(ctx - n, ctx, device=q.device), ctx, window)
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            if meta.softcap is not None:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                o = _attend_math(qh, k, v, mask, scale, meta.softcap)
+            else:
+                o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
 
@@ -133,6 +133,8 @@ class CpuBackend(SdpaBackend):
 
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.softcap is not None:  # the kernels do not soft-cap: the SDPA path's written-out arithmetic
+            return SdpaBackend.forward(self, q, k_new, v_new, k_cache, v_cache, meta, scale)
         if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided split of qkv
@@ -155,11 +157,50 @@ class CpuBackend(SdpaBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if "decode_tables" not in meta.extra:
+        if "decode_tables" not in meta.extra or meta.softcap is not None:
             return super()._decode(q, k_cache, v_cache, meta, scale)
         return self.ops.paged_decode(q, k_cache, v_cache,
                                      meta.extra["decode_tables"], meta.extra["decode_lens"], scale,
                                      meta.sliding_window or 0)
+
+
+def _prepare_gather(meta: AttentionMetadata, device: torch.device) -> None:
+    """The decodes' context gathered in one index (padded to the longest), and which of it each sees."""
+    d = meta.num_decodes
+    lens = torch.tensor(meta.seq_lens[:d], device=device)
+    max_len = max(meta.seq_lens[:d])
+    n_blocks = -(-max_len // meta.block_size)
+    table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
+                          for bt in meta.block_tables[:d]], device=device)
+    offsets = torch.arange(meta.block_size, device=device)
+    idx = (table[:, :, None] * meta.block_size + offsets).view(d, -1)[:, :max_len]
+    pos = torch.arange(max_len, device=device)
+    meta.extra["sdpa_index"] = idx.reshape(-1)
+    meta.extra["sdpa_pos"] = pos
+    meta.extra["sdpa_lens"] = lens
+    meta.extra["sdpa_mask"] = (pos[None, :] < lens[:, None])[:, None, None, :]
+
+
+def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
+    """[d, 1, 1, L]: which gathered positions each decode sees, under the attending layer's window
+    (built once per step and window; the layers of a step share meta.extra)."""
+    window = meta.sliding_window
+    if window is None:
+        return meta.extra["sdpa_mask"]
+    key = f"sdpa_mask_{window}"
+    if key not in meta.extra:
+        pos, lens = meta.extra["sdpa_pos"], meta.extra["sdpa_lens"]
+        meta.extra[key] = meta.extra["sdpa_mask"] & (pos[None, :] >= (lens - window)[:, None])[:, None, None, :]
+    return meta.extra[key]
+
+
+def _attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, in float32: q [..., Tq, D] against k/v [..., Tk, D] (heads
+    matched), mask broadcast to the scores [..., Tq, Tk]."""
+    scores = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
