@@ -4,11 +4,11 @@ the pool from it.
 Every attention layer declares a `KVCacheSpec` (layers/attention.py). Layers with equal specs form a
 `KVCacheGroup`; all groups share one block table per request (a block id names the same slot range in
 every layer's cache), so the pool's size is the budget divided by the bytes one block costs across all
-layers. Layers of different windows (Gemma's local and global layers) are groups of one plan: a
-sliding layer keeps every block as a full layer does and reads only its window. The engine core plans the pool from the workers' specs (`plan_kv_cache`), the workers allocate
+layers. The engine core plans the pool from the workers' specs (`plan_kv_cache`), the workers allocate
 each group's tensor from the resulting `KVCacheConfig`, and the scheduler's block pool gets its
-`num_blocks`. A second model (a speculative-decoding draft) is planned and allocated the same way, with
-its own budget and its own config.
+`num_blocks`. Layers of different windows (Gemma's local and global layers) are groups of one plan: a
+sliding layer keeps every block, as a full one does, and reads only its window. A second model (a
+speculative-decoding draft) is planned and allocated the same way, with its own budget and its own config.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ from tokenmill.arch import ArchConfig
 from tokenmill.attention.backend import AttentionMetadata, OutputRows
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import PagedAttention
-from tokenmill.layers.linear import (Embedding, Linear, LinearBase, MergedLinear, QKVLinear, ShardId,
-                                    weight_loader_of)
+from tokenmill.layers.linear import Embedding, Linear, LinearBase, MergedLinear, QKVLinear, ShardId, weight_loader_of
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, ModelOptions
