@@ -36,11 +36,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Phi3ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": False}),
     # Gemma: sliding_window_pattern is the transformers-4 dialect's layer rule (every n-th layer global)
     "Gemma2ForCausalLM": ArchSpec("tokenmill.models.gemma:GemmaForCausalLM",
-                                  {"attention_bias": False, "sliding_window_pattern": 2,
+                                  {"attention_bias": False, "sliding_window_pattern": 2, "norms_per_layer": 4,
                                    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
                                    "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}),
     "Gemma3ForCausalLM": ArchSpec("tokenmill.models.gemma:GemmaForCausalLM",
                                   {"attention_bias": False, "qk_norm": True, "sliding_window_pattern": 6,
+                                   "norms_per_layer": 4,
                                    "rope_theta": 1_000_000.0, "query_pre_attn_scalar": 256,
                                    "hidden_activation": "gelu_pytorch_tanh"}),
 }
@@ -107,6 +108,7 @@ class ArchConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    norms_per_layer: int = 2  # hidden-size RMSNorms in a decoder layer (Gemma's sandwich: 4)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer (None: it attends to the whole context)."""
@@ -242,6 +244,7 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             final_logit_softcapping=_optional_float(cfg, defaults, "final_logit_softcapping"),
             attn_logit_softcapping=_optional_float(cfg, defaults, "attn_logit_softcapping"),
             query_pre_attn_scalar=_optional_float(cfg, defaults, "query_pre_attn_scalar"),
+            norms_per_layer=int(defaults.get("norms_per_layer", 2)),
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None
