@@ -150,3 +150,25 @@ def test_fused_decode_declines_gemma(model_dirs: dict[str, str], llama_dir: str,
                        use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
 
+
+
+# Gemma's turn format: the BOS, then each turn as <start_of_turn>{user|model}\n...<end_of_turn>\n (the
+# assistant's role is "model"), and an open model turn for the reply
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_chat_with_gemma_turns(model_dirs: dict[str, str]) -> None:
+    model_dir = model_dirs["gemma3-local-global"]
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="1MiB")
+    messages = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"},
+                {"role": "user", "content": "and subtract?"}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.chat(messages, params, use_tqdm=False, chat_template=GEMMA_TEMPLATE)[0]
+    tok = llm.get_tokenizer()
+    text = tok.decode(out.prompt_token_ids)
+    assert text.startswith("<|bos|><start_of_turn>user\ndef add") and text.endswith("<start_of_turn>model\n")
+    assert out.outputs[0].token_ids == reference(model_dir, tuple(out.prompt_token_ids), 8)
