@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 
 import pytest
 
@@ -172,3 +173,16 @@ def test_chat_with_gemma_turns(model_dirs: dict[str, str]) -> None:
     text = tok.decode(out.prompt_token_ids)
     assert text.startswith("<|bos|><start_of_turn>user\ndef add") and text.endswith("<start_of_turn>model\n")
     assert out.outputs[0].token_ids == reference(model_dir, tuple(out.prompt_token_ids), 8)
+
+
+def test_checkpoint_missing_a_sandwich_norm_names_it(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    dst = os.path.join(tmp_path, "gemma2-missing")
+    shutil.copytree(model_dirs["gemma2-softcap"], dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.2.pre_feedforward_layernorm.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing weights: \['layers\.2\.pre_feedforward_layernorm\.weight'\]"):
+        LLM(dst, dtype="float32", kv_cache_memory="1MiB")
