@@ -42,7 +42,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForCausalLM": ArchSpec("tokenmill.models.gemma:GemmaForCausalLM",
                                   {"attention_bias": False, "qk_norm": True, "sliding_window_pattern": 6,
                                    "norms_per_layer": 4,
-                                   "rope_theta": 1_000_000.0, "query_pre_attn_scalar": 256,
+                                   "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                                   "query_pre_attn_scalar": 256,
                                    "hidden_activation": "gelu_pytorch_tanh"}),
 }
 
@@ -170,8 +171,9 @@ def _ropes(cfg: dict[str, Any], defaults: dict[str, Any]) -> tuple[RopeConfig, R
     if "full_attention" in per_type:
         local = per_type.get("sliding_attention")
         return _rope(cfg, per_type["full_attention"], theta), (_rope(cfg, local) if local else None)
-    if "sliding_window_pattern" in defaults and "rope_theta" in defaults:  # Gemma 3, transformers 4
-        return _rope(cfg, None, theta), RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    if "rope_local_base_freq" in defaults:  # Gemma 3, transformers 4
+        local_theta = cfg.get("rope_local_base_freq") or defaults["rope_local_base_freq"]
+        return _rope(cfg, None, theta), RopeConfig(theta=float(local_theta))
     return _rope(cfg, None, theta), None
 
 
