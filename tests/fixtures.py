@@ -49,6 +49,29 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-mha": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False)),
     "qwen3-qknorm": ("qwen3", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
     "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=24, tie_word_embeddings=False)),
+    # gemma-2-2b/27b scaled down: local/global layers alternating, both soft-caps (small enough to bite),
+    # query_pre_attn_scalar apart from head_dim (as 27b has it)
+    "gemma2-softcap": ("gemma2", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=32, sliding_window=16,
+                                      query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                      final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+                                      tie_word_embeddings=True)),
+    # gemma-3-4b's text stack scaled down: 5 local : 1 global layers, q/k norms, linear rope scaling on the
+    # global layers and a base frequency of their own for the local ones
+    "gemma3-local-global": ("gemma3", dict(num_hidden_layers=6, num_key_value_heads=1, head_dim=32,
+                                           sliding_window=16, sliding_window_pattern=6, query_pre_attn_scalar=32,
+                                           rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                                           rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                           hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # Phi-3-mini-128k scaled down: fused qkv/gate_up checkpoint tensors, longrope (its long factors from
+    # position 128 on: tests/models/test_phi3.py); Phi-4-mini's partial rotary with a sliding window beside it
+    "phi3-longrope": ("phi3", dict(num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=EOS,
+                                   max_position_embeddings=512, original_max_position_embeddings=128,
+                                   rope_scaling={"rope_type": "longrope",
+                                                 "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                                 "long_factor": [1.0 + 1.5 * i for i in range(8)]})),
+    "phi3-partial-window": ("phi3", dict(num_key_value_heads=1, partial_rotary_factor=0.75, sliding_window=24,
+                                         pad_token_id=EOS,
+                                         tie_word_embeddings=False)),
 }
 
 
@@ -63,6 +86,9 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     cfg = cfg_cls(**{**BASE, **overrides})
     torch.manual_seed(seed)

@@ -30,7 +30,6 @@ def test_plan_sizes_the_pool_from_every_layer() -> None:
     assert len(plan.groups) == 1 and plan.groups[0].layer_names == tuple(specs)
     assert plan_kv_cache(specs, 100_000, num_blocks=7).num_blocks == 7
     assert plan_kv_cache(specs, 1).num_blocks == 1  # never an empty pool
-    assert plan.sliding_window is None
 
 
 def test_groups_by_spec_and_windows() -> None:
@@ -38,9 +37,10 @@ def test_groups_by_spec_and_windows() -> None:
     window = SlidingWindowSpec(16, "bfloat16", 2, 8, sliding_window=64)
     groups = group_layers({"a": full, "b": window, "c": full})
     assert [g.layer_names for g in groups] == [("a", "c"), ("b",)]
-    assert plan_kv_cache({"a": window, "b": window}, 10**6).sliding_window == 64
-    with pytest.raises(ValueError, match="sliding windows"):
-        _ = plan_kv_cache({"a": full, "b": window}, 10**6).sliding_window
+    # local and global layers (Gemma) in one plan: every layer keeps every block of the shared table
+    mixed = plan_kv_cache({"a": full, "b": window, "c": full}, 10**6)
+    assert [g.spec for g in mixed.groups] == [full, window]
+    assert mixed.bytes_per_block == 3 * full.page_size_bytes == 3 * window.page_size_bytes
 
 
 def test_bad_plans_are_refused() -> None:

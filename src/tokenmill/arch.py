@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": True}),
     "Qwen3ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM",
                                  {"attention_bias": False, "qk_norm": True}),
+    "Phi3ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": False}),
+    # Gemma: sliding_window_pattern is the transformers-4 dialect's layer rule (every n-th layer global)
+    "Gemma2ForCausalLM": ArchSpec("tokenmill.models.gemma:GemmaForCausalLM",
+                                  {"attention_bias": False, "sliding_window_pattern": 2, "norms_per_layer": 4,
+                                   "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+                                   "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}),
+    "Gemma3ForCausalLM": ArchSpec("tokenmill.models.gemma:GemmaForCausalLM",
+                                  {"attention_bias": False, "qk_norm": True, "sliding_window_pattern": 6,
+                                   "norms_per_layer": 4,
+                                   "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                                   "query_pre_attn_scalar": 256,
+                                   "hidden_activation": "gelu_pytorch_tanh"}),
 }
 
 
@@ -48,15 +61,23 @@ def model_class(architecture: str) -> type:
     return cls
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    # longrope (Phi-3): per-frequency divisors below / from original_max_position_embeddings, and the
+    # factor cos and sin are multiplied by
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +101,21 @@ class ArchConfig:
     dtype: str | None  # the checkpoint's dtype as written, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    # Gemma: per-layer "sliding_attention" / "full_attention" (empty: every layer alike), the rope of
+    # the sliding layers where it differs, tanh soft-capping of the final logits and the attention
+    # scores, and the query scaling's denominator (scale = query_pre_attn_scalar ** -0.5)
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    norms_per_layer: int = 2  # hidden-size RMSNorms in a decoder layer (Gemma's sandwich: 4)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (None: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -95,23 +131,71 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(cfg: dict[str, Any]) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None, theta: float = 10000.0) -> RopeConfig:
+    """The rope of cfg, or of one of its per-layer-type parameter sets (`params`)."""
+    if params is None:
+        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", theta)))
     rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings") or 8192)
+    factor = float(params.get("factor") or 1.0)
+    attention_factor = 1.0
+    if rope_type == "longrope":  # transformers' rule: factor and attention factor from the lengths
+        factor = float(params.get("factor") or cfg.get("max_position_embeddings", original) / original)
+        attention_factor = float(params.get("attention_factor")
+                                 or (1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))))
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
         partial_rotary_factor=float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0),
+        short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
+        attention_factor=attention_factor,
     )
+
+
+def _ropes(cfg: dict[str, Any], defaults: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """The global rope and, for families whose sliding layers have their own (Gemma 3), theirs:
+    transformers 5 writes one parameter set per layer type; transformers 4 a global rope_theta and
+    rope_scaling, and the local base frequency apart."""
+    theta = float(defaults.get("rope_theta", 10000.0))
+    per_type = cfg.get("rope_parameters") or {}
+    if "full_attention" in per_type:
+        local = per_type.get("sliding_attention")
+        return _rope(cfg, per_type["full_attention"], theta), (_rope(cfg, local) if local else None)
+    if "rope_local_base_freq" in defaults:  # Gemma 3, transformers 4
+        local_theta = cfg.get("rope_local_base_freq") or defaults["rope_local_base_freq"]
+        return _rope(cfg, None, theta), RopeConfig(theta=float(local_theta))
+    return _rope(cfg, None, theta), None
+
+
+def _layer_types(cfg: dict[str, Any], defaults: dict[str, Any]) -> tuple[str, ...]:
+    """Gemma's per-layer attention kinds: written out (transformers 5), or every n-th layer global."""
+    if "sliding_window_pattern" not in defaults:
+        return ()
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if not types:
+        every = int(cfg.get("sliding_window_pattern") or defaults["sliding_window_pattern"])
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if len(types) != n or unknown:
+        raise ValueError(f"layer_types must name one of sliding_attention, full_attention for each of the "
+                         f"{n} layers, got {list(types)}")
+    return tuple(str(t) for t in types)
+
+
+def _optional_float(cfg: dict[str, Any], defaults: dict[str, Any], key: str) -> float | None:
+    value = cfg.get(key, defaults.get(key))
+    return None if value is None else float(value)
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
@@ -129,10 +213,13 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
     if arch not in ARCHITECTURES:
         raise _unsupported(arch)
     defaults = ARCHITECTURES[arch].defaults
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention (an encoder) is not supported")
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         eos = _as_ids((generation_cfg or {}).get("eos_token_id")) or _as_ids(cfg.get("eos_token_id"))
+        rope, local_rope = _ropes(cfg, defaults)
         return ArchConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -144,15 +231,22 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rope=_rope(cfg),
+            rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", defaults["attention_bias"])),
             qk_norm=bool(defaults.get("qk_norm", False)),
             sliding_window=_sliding_window(cfg, arch),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            hidden_act=str(cfg.get("hidden_activation") or defaults.get("hidden_activation")
+                           or cfg.get("hidden_act", "silu")),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
+            layer_types=_layer_types(cfg, defaults),
+            local_rope=local_rope,
+            final_logit_softcapping=_optional_float(cfg, defaults, "final_logit_softcapping"),
+            attn_logit_softcapping=_optional_float(cfg, defaults, "attn_logit_softcapping"),
+            query_pre_attn_scalar=_optional_float(cfg, defaults, "query_pre_attn_scalar"),
+            norms_per_layer=int(defaults.get("norms_per_layer", 2)),
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None

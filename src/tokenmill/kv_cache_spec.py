@@ -6,8 +6,9 @@ Every attention layer declares a `KVCacheSpec` (layers/attention.py). Layers wit
 every layer's cache), so the pool's size is the budget divided by the bytes one block costs across all
 layers. The engine core plans the pool from the workers' specs (`plan_kv_cache`), the workers allocate
 each group's tensor from the resulting `KVCacheConfig`, and the scheduler's block pool gets its
-`num_blocks`. A second model (a speculative-decoding draft) is planned and allocated the same way, with
-its own budget and its own config.
+`num_blocks`. Layers of different windows (Gemma's local and global layers) are groups of one plan: a
+sliding layer keeps every block, as a full one does, and reads only its window. A second model (a
+speculative-decoding draft) is planned and allocated the same way, with its own budget and its own config.
 """
 
 from __future__ import annotations
@@ -121,13 +122,6 @@ class KVCacheConfig:
     def bytes_per_block(self) -> int:
         return sum(g.spec.page_size_bytes * len(g.layer_names) for g in self.groups)
 
-    @property
-    def sliding_window(self) -> int | None:
-        """The window every layer shares, None for full attention; mixed windows are refused."""
-        windows = {g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None for g in self.groups}
-        if len(windows) > 1:
-            raise ValueError("layers with different sliding windows are not supported yet")
-        return windows.pop() if windows else None
 
 
 def group_layers(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:

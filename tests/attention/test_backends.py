@@ -116,3 +116,25 @@ def _ctx(cache: torch.Tensor, meta: AttentionMetadata, b: int) -> torch.Tensor:
 def test_cpu_kernel_builds_here() -> None:
     # CI runs on a machine with a C++ compiler: the fast path must really be exercised there
     assert load_cpu_kernels() is not None
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_soft_capped_scores_match_reference(backend: str, dtype: torch.dtype, window: int | None) -> None:
+    """Gemma 2's cap * tanh(scores / cap), which SDPA and the C++ kernels do not do: their backends take
+    the written-out arithmetic for such a layer, in one step with a layer of another window and no cap."""
+    dim, cap = 64, 2.0
+    meta, q, k_new, v_new, k_cache, v_cache = random_step(3, [1, 1, 1, 9, 17, 5], [1, 13, 40, 9, 30, 5], 8, 2,
+                                                          dim, None, dtype)
+    q = q * 4  # scores well past the cap
+    ref, fast = get_backend("torch_ref"), get_backend(backend)
+    fast.prepare(meta, torch.device("cpu"))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    capped = meta.for_layer(window, cap)
+    expected = ref.forward(q, k_new, v_new, k_cache, v_cache, capped, dim**-0.5)
+    uncapped = ref.forward(q, k_new, v_new, k_cache, v_cache, meta.for_layer(9, None), dim**-0.5)
+    assert not torch.allclose(expected.float(), uncapped.float(), atol=0.1)  # the cap changes the output
+    for layer_meta, want in ((capped, expected), (meta.for_layer(9, None), uncapped)):
+        got = fast.forward(q, k_new, v_new, k_cache, v_cache, layer_meta, dim**-0.5)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -20,7 +20,8 @@ from tests.fixtures import VOCAB
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.input_processor import check_token_ids, resolve_max_tokens
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = ("Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, "
+             "Qwen2ForCausalLM, Qwen3ForCausalLM")
 
 
 # ---- sampling params -------------------------------------------------------------------------

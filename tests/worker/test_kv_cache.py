@@ -28,7 +28,7 @@ def test_executor_plans_from_the_layer_specs(model_dirs: dict[str, str]) -> None
     plan = executor.kv_cache_config
     assert plan.num_blocks == (2 << 20) // plan.bytes_per_block == llm.engine.core.scheduler.kv.pool.num_blocks
     runner = executor.runner
-    assert runner.sliding_window == arch.sliding_window
+    assert all(layer.sliding_window == arch.sliding_window for layer in attention_layers(runner.model).values())
     for name, layer in attention_layers(runner.model).items():
         assert layer.kv_cache.shape == (2, plan.num_blocks, 8, arch.num_kv_heads, arch.head_dim)
         assert layer.kv_cache.data_ptr() == runner.kv_caches.by_layer[name].data_ptr()

@@ -6,6 +6,7 @@ chunks, and describes them once per step in `AttentionMetadata`; every layer reu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,12 +21,21 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # [B] physical block ids
     num_decodes: int  # sequences [0, num_decodes) have query length 1
     block_size: int
+    # the attending layer's own: its window, and the tanh soft-capping of its scores (cap * tanh(s / cap));
+    # the runner describes the step with neither and each PagedAttention sets its own (`for_layer`)
     sliding_window: int | None = None
+    softcap: float | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # backend-specific tensors
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def for_layer(self, sliding_window: int | None, softcap: float | None) -> AttentionMetadata:
+        """This step as one layer attends: its window and soft-capping (the same per-step tensors)."""
+        if sliding_window == self.sliding_window and softcap == self.softcap:
+            return self
+        return dataclasses.replace(self, sliding_window=sliding_window, softcap=softcap)
 
 
 @dataclass
@@ -51,7 +61,7 @@ def output_rows(meta: AttentionMetadata, rows: list[int], seqs: list[int]) -> Ou
     rows_meta = AttentionMetadata(
         slot_mapping=meta.slot_mapping.index_select(0, index), query_start_loc=list(range(len(rows) + 1)),
         seq_lens=context, block_tables=[meta.block_tables[s] for s in seqs], num_decodes=len(rows),
-        block_size=meta.block_size, sliding_window=meta.sliding_window)
+        block_size=meta.block_size, sliding_window=meta.sliding_window, softcap=meta.softcap)
     return OutputRows(index, rows_meta)
 
 
@@ -117,6 +127,11 @@ def causal_mask(q_positions: torch.Tensor, k_len: int, window: int | None) -> to
     if window is not None:
         mask &= k_pos[None, :] > q_positions[:, None] - window
     return mask
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap), as transformers' Gemma computes it; the scores as they are without a cap."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def gather_context(cache: torch.Tensor, block_ids: list[int], length: int) -> torch.Tensor:

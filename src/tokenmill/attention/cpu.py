@@ -14,7 +14,11 @@ A quantized cache (int8 / fp8 e4m3 with per-token-head scales, attention/kv_quan
 the context it gathers (decodes: one gather for all; prefill chunks: always from the cache, so that every
 path attends to the same quantized values); `CpuBackend` quantizes in C++ (`write_kv_quant_`) and runs
 every query row of the step, decodes and prefill rows, in one C++ call that reads the quantized cache in
-place (kernels/cpu/attention/paged_decode_quant.cpp)."""
+place (kernels/cpu/attention/paged_decode_quant.cpp).
+
+Each layer attends with its own window (`AttentionMetadata.sliding_window`, set per layer); scores
+soft-capped by tanh (`AttentionMetadata.softcap`, Gemma 2), which neither SDPA nor the C++ kernels do,
+take the same arithmetic written out in float32 (`_attend_math`)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.attention.backend import AttentionMetadata, KVScales, causal_mask, gather_context, write_kv
+from tokenmill.attention.backend import AttentionMetadata, KVScales, causal_mask, gather_context, soft_cap, write_kv
 from tokenmill.attention.kv_quant import gather_dequantized, select_dequantized, write_kv_quantized
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import QUANTIZED_KV_DTYPES
@@ -38,22 +42,8 @@ class SdpaBackend:
     kv_cache_dtypes = QUANTIZED_KV_DTYPES
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
-        d = meta.num_decodes
-        if d == 0:
-            return
-        lens = torch.tensor(meta.seq_lens[:d], device=device)
-        max_len = max(meta.seq_lens[:d])
-        n_blocks = -(-max_len // meta.block_size)
-        table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
-                              for bt in meta.block_tables[:d]], device=device)
-        offsets = torch.arange(meta.block_size, device=device)
-        idx = (table[:, :, None] * meta.block_size + offsets).view(d, -1)[:, :max_len]
-        pos = torch.arange(max_len, device=device)
-        mask = pos[None, :] < lens[:, None]
-        if meta.sliding_window is not None:
-            mask &= pos[None, :] >= (lens - meta.sliding_window)[:, None]
-        meta.extra["decode_index"] = idx.reshape(-1)
-        meta.extra["decode_mask"] = mask[:, None, None, :]
+        if meta.num_decodes:
+            _prepare_gather(meta, device)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
@@ -86,7 +76,9 @@ class SdpaBackend:
                 meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         d, hq, dim = q.shape
         hk = k_cache.shape[2]
-        idx, mask = meta.extra["decode_index"], meta.extra["decode_mask"]
+        if "sdpa_index" not in meta.extra:  # a CpuBackend step whose layer needs this path
+            _prepare_gather(meta, q.device)
+        idx, mask = meta.extra["sdpa_index"], _decode_mask(meta)
         length = mask.shape[-1]
         if kv_scales is not None:
             k = select_dequantized(k_cache, kv_scales.k, idx, q.dtype).view(d, length, hk, dim).transpose(1, 2)
@@ -95,7 +87,10 @@ class SdpaBackend:
             k = k_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
             v = v_cache.view(-1, hk, dim).index_select(0, idx).view(d, length, hk, dim).transpose(1, 2)
         qg = q.view(d, hk, hq // hk, dim)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        if meta.softcap is not None:
+            o = _attend_math(qg, k, v, mask, scale, meta.softcap)
+        else:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return o.reshape(d, hq, dim)
 
     @staticmethod
@@ -106,7 +101,7 @@ class SdpaBackend:
         ctx = meta.seq_lens[b]
         window = meta.sliding_window
         qh = q.transpose(0, 1).unsqueeze(0)
-        if kv_scales is None and ctx == n and (window is None or window >= n):
+        if kv_scales is None and ctx == n and (window is None or window >= n) and meta.softcap is None:
             k = k_new.transpose(0, 1).unsqueeze(0)
             v = v_new.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -119,7 +114,12 @@ class SdpaBackend:
                 k, v = gather_context(k_cache, table, ctx), gather_context(v_cache, table, ctx)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = causal_mask(torch.arange(ctx - n, ctx, device=q.device), ctx, window)
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            if meta.softcap is not None:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                o = _attend_math(qh, k, v, mask, scale, meta.softcap)
+            else:
+                o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
 
@@ -160,6 +160,8 @@ class CpuBackend(SdpaBackend):
     def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: KVScales | None = None) -> torch.Tensor:
+        if meta.softcap is not None:  # the kernels do not soft-cap: the SDPA path's written-out arithmetic
+            return SdpaBackend.forward(self, q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
         if kv_scales is not None:
             if self.ops is None or q.device.type != "cpu" or meta.num_seqs == 0:
                 return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
@@ -189,7 +191,7 @@ class CpuBackend(SdpaBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
-        if "decode_tables" not in meta.extra or kv_scales is not None:
+        if "decode_tables" not in meta.extra or kv_scales is not None or meta.softcap is not None:
             return super()._decode(q, k_cache, v_cache, meta, scale, kv_scales)
         return self.ops.paged_decode(q, k_cache, v_cache,
                                      meta.extra["decode_tables"], meta.extra["decode_lens"], scale,
@@ -206,6 +208,45 @@ def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         meta.extra["row_lens"] = torch.cat([torch.arange(n - c + 1, n + 1, dtype=torch.int32)
                                             for n, c in zip(lens, counts, strict=True)])
     return meta.extra["row_tables"], meta.extra["row_lens"]
+
+
+def _prepare_gather(meta: AttentionMetadata, device: torch.device) -> None:
+    """The decodes' context gathered in one index (padded to the longest), and which of it each sees."""
+    d = meta.num_decodes
+    lens = torch.tensor(meta.seq_lens[:d], device=device)
+    max_len = max(meta.seq_lens[:d])
+    n_blocks = -(-max_len // meta.block_size)
+    table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
+                          for bt in meta.block_tables[:d]], device=device)
+    offsets = torch.arange(meta.block_size, device=device)
+    idx = (table[:, :, None] * meta.block_size + offsets).view(d, -1)[:, :max_len]
+    pos = torch.arange(max_len, device=device)
+    meta.extra["sdpa_index"] = idx.reshape(-1)
+    meta.extra["sdpa_pos"] = pos
+    meta.extra["sdpa_lens"] = lens
+    meta.extra["sdpa_mask"] = (pos[None, :] < lens[:, None])[:, None, None, :]
+
+
+def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
+    """[d, 1, 1, L]: which gathered positions each decode sees, under the attending layer's window
+    (built once per step and window; the layers of a step share meta.extra)."""
+    window = meta.sliding_window
+    if window is None:
+        return meta.extra["sdpa_mask"]
+    key = f"sdpa_mask_{window}"
+    if key not in meta.extra:
+        pos, lens = meta.extra["sdpa_pos"], meta.extra["sdpa_lens"]
+        meta.extra[key] = meta.extra["sdpa_mask"] & (pos[None, :] >= (lens - window)[:, None])[:, None, None, :]
+    return meta.extra[key]
+
+
+def _attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, in float32: q [..., Tq, D] against k/v [..., Tk, D] (heads
+    matched), mask broadcast to the scores [..., Tq, Tk]."""
+    scores = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:

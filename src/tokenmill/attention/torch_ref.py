@@ -1,12 +1,13 @@
 """The oracle: per sequence, gather the whole context from the paged cache and do the
-attention arithmetic in plain torch (float32 softmax). Slow and obviously right. A quantized cache is
-read by dequantizing each sequence's gathered context (attention/kv_quant.py)."""
+attention arithmetic in plain torch (float32 softmax; sliding windows and soft-capped scores too).
+Slow and obviously right. A quantized cache is read by dequantizing each sequence's gathered context
+(attention/kv_quant.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, KVScales, causal_mask, gather_context, write_kv
+from tokenmill.attention.backend import AttentionMetadata, KVScales, causal_mask, gather_context, soft_cap, write_kv
 from tokenmill.attention.kv_quant import gather_dequantized, write_kv_quantized
 from tokenmill.kv_cache_spec import QUANTIZED_KV_DTYPES
 
@@ -42,7 +43,7 @@ class TorchRefBackend:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)
             mask = causal_mask(q_pos, ctx, meta.sliding_window)
-            scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k.float()) * scale
+            scores = soft_cap(torch.einsum("qhd,khd->hqk", q[start:end].float(), k.float()) * scale, meta.softcap)
             scores = scores.masked_fill(~mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

@@ -66,7 +66,7 @@ class ModelCost:
 
     @property
     def layer_params(self) -> int:
-        norms = 2 * self.arch.hidden_size
+        norms = self.arch.norms_per_layer * self.arch.hidden_size
         return self.attention_params_per_layer + self.mlp_params_per_layer + norms
 
     @property

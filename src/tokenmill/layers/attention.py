@@ -1,7 +1,10 @@
 """The paged attention layer every model uses: it declares its KV cache spec, writes this step's keys
 and values to its cache, and calls the attention backend. The worker binds each layer's cache tensor
 (and a quantized cache's scales) and the backend once, after allocating the pool (`bind`); models never
-touch caches or backends."""
+touch caches or backends.
+
+Each layer attends with its own sliding window and soft-capping of its scores (`softcap`, Gemma 2):
+it hands the backend the step's metadata with its own set (`AttentionMetadata.for_layer`)."""
 
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindo
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.kv_cache = torch.empty(0)  # [2, num_blocks, block_size, num_kv_heads, head_dim] once bound
         self.kv_scales: KVScales | None = None  # a quantized cache's scales, [num_blocks, block_size, num_kv_heads]
         self.backend: AttentionBackend | None = None
@@ -50,6 +54,7 @@ class PagedAttention(nn.Module):
         if rows is not None:
             q, k, v = (y.index_select(0, rows.index) for y in (q, k, v))
             meta = rows.meta
+        meta = meta.for_layer(self.sliding_window, self.softcap)
         if scales is None:
             o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         else:

@@ -1,4 +1,5 @@
 """RMSNorm computed in float32, as the HF reference does; optionally fused with the residual add.
+Gemma's (1 + weight) variant beside it.
 
 With `ops` set (tokenmill's C++ CPU kernels) bf16 rows take one fused pass; everything else runs
 the reference torch code, which the fused op is tested against."""
@@ -34,3 +35,18 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight), in float32, and casts back after the scaling (where
+    RMSNorm casts before it). The checkpoint stores the weight's offset from 1."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

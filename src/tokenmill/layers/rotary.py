@@ -1,5 +1,13 @@
 """Rotary position embedding (the non-interleaved "rotate half" layout of HF Llama), with the
-default, linear and llama3 frequency schedules. cos/sin are precomputed per position."""
+default, linear, llama3 and longrope frequency schedules. cos/sin are precomputed per position.
+
+LongRoPE (Phi-3) divides the frequencies by `short_factor` and, from `original_max_position_embeddings`
+on, by `long_factor`, and scales cos and sin by `attention_factor`. transformers picks one set per forward
+call, long where the call's sequence is longer than the original length; here a position takes the set
+its own position calls for, which is transformers' choice for every token of a prompt no longer than the
+original length and for every generated token, and which keeps a position's keys the same whatever the
+batching, chunking or prefix-cache hits (a prompt longer than the original length is rotated with the
+short set below it, where transformers rotates the whole prompt with the long set)."""
 
 from __future__ import annotations
 
@@ -12,9 +20,17 @@ from torch import nn
 from tokenmill.arch import RopeConfig
 
 
-def inv_frequencies(rot_dim: int, rope: RopeConfig) -> torch.Tensor:
+def inv_frequencies(rot_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:
+    """The inverse frequencies; for longrope, the short set or with `long` the long one."""
     # computed on the CPU whatever the default device (RotaryEmbedding moves the tables once)
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        if len(factors) != rot_dim // 2:
+            raise ValueError(f"longrope {'long' if long else 'short'}_factor has {len(factors)} entries; "
+                             f"the rotary dimension {rot_dim} needs {rot_dim // 2}")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
+    inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -35,14 +51,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rot_dim = int(head_dim * rope.partial_rotary_factor)
         self.ops: Any = None  # tokenmill's C++ CPU kernels, once use_cpu_kernels sets them
-        inv_freq = inv_frequencies(self.rot_dim, rope)
-        freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None]
+        freqs = positions * inv_frequencies(self.rot_dim, rope)[None, :]
+        if rope.rope_type == "longrope":
+            long = positions >= rope.original_max_position_embeddings
+            freqs = torch.where(long, positions * inv_frequencies(self.rot_dim, rope, long=True)[None, :], freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         device = torch.get_default_device()  # the model is built under its device's context
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", emb.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype=dtype, device=device), persistent=False)
+        cos, sin = emb.cos() * rope.attention_factor, emb.sin() * rope.attention_factor
+        self.register_buffer("cos_cache", cos.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(dtype=dtype, device=device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated (in place on the fused path)."""

@@ -1,8 +1,9 @@
 """The Llama family as one decoder: Llama (GQA, llama3 rope, tied embeddings), Mistral
-(sliding window), Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm) differ only in ArchConfig flags.
+(sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Phi-3 (longrope, partial rotary) differ
+only in ArchConfig flags.
 
 q/k/v and gate/up projections are fused (one matmul each); the checkpoint's separate projections load
-into their shards."""
+into their shards, and Phi-3's fused ones are split into them (`load_fused`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tokenmill.arch import ArchConfig
 from tokenmill.attention.backend import AttentionMetadata, OutputRows
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import PagedAttention
-from tokenmill.layers.linear import Embedding, Linear, MergedLinear, QKVLinear, ShardId, weight_loader_of
+from tokenmill.layers.linear import Embedding, Linear, LinearBase, MergedLinear, QKVLinear, ShardId, weight_loader_of
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, ModelOptions
@@ -25,6 +26,16 @@ from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, Model
 STACKED: dict[str, tuple[str, ShardId]] = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def load_fused(layer: LinearBase, param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """A checkpoint tensor of a whole fused projection (q/k/v, or gate/up, stacked along the output
+    dimension), loaded shard by shard through the layer's weight loader."""
+    if tensor.shape[0] != param.shape[0]:
+        raise ValueError(f"tensor shape {list(tensor.shape)} does not match the model's {list(param.shape)}")
+    for shard_id in layer.shard_ids:
+        start, end = layer.shard_range(shard_id, tensor.shape[0])
+        weight_loader_of(param)(param, tensor[start:end], shard_id)
 
 
 class Attention(nn.Module):
@@ -122,31 +133,7 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        tied = self.cfg.tie_word_embeddings
-        for ckpt_name, tensor in weights:
-            name = ckpt_name.removeprefix("model.")
-            if tied and name == "lm_head.weight":
-                continue
-            shard: ShardId = None
-            for part, (fused, shard_id) in STACKED.items():
-                if f".{part}." in name:
-                    name, shard = name.replace(f".{part}.", f".{fused}."), shard_id
-                    break
-            param = params.get(name)
-            if param is None:
-                continue  # tensors this model has no use for (e.g. rotary inv_freq buffers)
-            try:
-                weight_loader_of(param)(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
-            loaded.add(name)
-        if tied:  # one tensor for both (until a linear method repacks the lm_head's)
-            self.lm_head.weight = cast(nn.Parameter, self.embed_tokens.weight)
-            self.lm_head.mark_loaded("weight")
-            loaded.add("lm_head.weight")
-        return loaded
+        return load_decoder_weights(self, weights, self.cfg.tie_word_embeddings)
 
     def decoder_layout(self) -> DecoderLayout | None:
         cfg = self.cfg
@@ -161,3 +148,37 @@ class LlamaForCausalLM(nn.Module):
         return DecoderLayout(self.embed_tokens.weight, layers, self.norm.weight, self.lm_head,
                              self.rotary.cos_cache, self.rotary.sin_cache, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.sliding_window)
+
+
+def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied: bool) -> set[str]:
+    """HF decoder checkpoint names onto a model whose parameters are named alike (without `model.`),
+    q/k/v and gate/up fused, and with `embed_tokens` and `lm_head` (one tensor for both where `tied`)."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        name = ckpt_name.removeprefix("model.")
+        if tied and name == "lm_head.weight":
+            continue
+        shard: ShardId = None
+        for part, (fused, shard_id) in STACKED.items():
+            if f".{part}." in name:
+                name, shard = name.replace(f".{part}.", f".{fused}."), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            continue  # tensors this model has no use for (e.g. rotary inv_freq buffers)
+        try:
+            if shard is None and isinstance(module := model.get_submodule(name.rpartition(".")[0]),
+                                            (QKVLinear, MergedLinear)):
+                load_fused(module, param, tensor)  # a checkpoint that fuses them too (Phi-3)
+            else:
+                weight_loader_of(param)(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
+        loaded.add(name)
+    if tied:  # one tensor for both (until a linear method repacks the lm_head's)
+        lm_head, embed = cast(Linear, model.get_submodule("lm_head")), model.get_submodule("embed_tokens")
+        lm_head.weight = cast(nn.Parameter, embed.weight)
+        lm_head.mark_loaded("weight")
+        loaded.add("lm_head.weight")
+    return loaded

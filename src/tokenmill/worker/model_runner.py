@@ -44,7 +44,6 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(config.device.device)
         self.block_size = kv_config.block_size
-        self.sliding_window = kv_config.sliding_window
         self.kv_caches = kv_caches
         # fault the pool in while idle, each group's tensor; begins after the first step
         self._populate = [BackgroundPopulate(t, block_dim=d) for t, d in kv_caches.groups]
@@ -94,7 +93,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
-            num_decodes=step.num_decodes, block_size=self.block_size, sliding_window=self.sliding_window)
+            num_decodes=step.num_decodes, block_size=self.block_size)
         self.backend.prepare(meta, self.device)
         rows = None
         if self.output_rows_only and not step.prompt_lp_rows and len(step.logits_indices) < len(step.input_ids):

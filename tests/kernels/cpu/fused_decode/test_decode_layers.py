@@ -1,7 +1,8 @@
 """(CPU) the fused decode path (worker/fused_decode.py: ops.decode_layers, the layer loop of a pure-decode
 step in one C++ call) against the Python
 layer loop it replaces: it calls the same kernels on the same tensors, so tokens and logprobs must
-be bitwise equal, for every architecture it takes (Llama, Qwen2's qkv bias, Mistral's window)."""
+be bitwise equal, for every architecture it takes (Llama, Qwen2's qkv bias, Mistral's window, Phi-3's
+longrope tables)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _run(model_dir: str, fused: bool, num_prompts: int, params: Any = None, coun
     return llm.generate(prompts, params, use_tqdm=False), counter.calls
 
 
-@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window",
+                                  "phi3-longrope"])
 @pytest.mark.parametrize("num_prompts", [1, 4, 9])  # 9: past the GEMV, oneDNN's packed linear
 def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name: str, num_prompts: int) -> None:
     fast, fast_calls = _run(model_dirs[name], True, num_prompts)
@@ -60,7 +62,8 @@ def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name:
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bitwise: the same kernels in the same order
 
 
-@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window",
+                                  "phi3-longrope"])
 @pytest.mark.parametrize("num_prompts", [1, 9])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_decode_greedy_matches_the_python_path(model_dirs: dict[str, str], name: str, num_prompts: int,
