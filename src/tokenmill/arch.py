@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.arch_moe import MLAConfig, MoEConfig, parse_mla, parse_moe
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -32,6 +34,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": True}),
     "Qwen3ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM",
                                  {"attention_bias": False, "qk_norm": True}),
+    "MixtralForCausalLM": ArchSpec("tokenmill.models.moe:MoEForCausalLM", {"attention_bias": False}),
+    "Qwen2MoeForCausalLM": ArchSpec("tokenmill.models.moe:MoEForCausalLM", {"attention_bias": True}),
+    "Qwen3MoeForCausalLM": ArchSpec("tokenmill.models.moe:MoEForCausalLM",
+                                    {"attention_bias": False, "qk_norm": True}),
+    "DeepseekV2ForCausalLM": ArchSpec("tokenmill.models.deepseek:DeepseekForCausalLM", {"attention_bias": False}),
+    "DeepseekV3ForCausalLM": ArchSpec("tokenmill.models.deepseek:DeepseekForCausalLM", {"attention_bias": False}),
 }
 
 
@@ -51,12 +59,19 @@ def model_class(architecture: str) -> type:
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    # yarn: the ramp between interpolated and extrapolated frequencies, and the cos/sin scale
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,10 +95,15 @@ class ArchConfig:
     dtype: str | None  # the checkpoint's dtype as written, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # routed experts (arch_moe.py), None for dense families
+    mla: MLAConfig | None = None  # latent attention (arch_moe.py): the cache holds latents, not K and V
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per byte of element size."""
+        """Bytes of K and V (MLA: the latent and the rope key) per token over all layers, per byte of
+        element size."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_dim
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
@@ -101,8 +121,8 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -111,6 +131,10 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         partial_rotary_factor=float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -132,6 +156,7 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
+        mla = parse_mla(cfg, arch)
         eos = _as_ids((generation_cfg or {}).get("eos_token_id")) or _as_ids(cfg.get("eos_token_id"))
         return ArchConfig(
             architecture=arch,
@@ -140,19 +165,21 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
+            head_dim=mla.qk_head_dim if mla else int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=_rope(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", defaults["attention_bias"])),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", defaults["attention_bias"]))),
             qk_norm=bool(defaults.get("qk_norm", False)),
             sliding_window=_sliding_window(cfg, arch),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
+            moe=parse_moe(cfg, arch),
+            mla=mla,
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None
