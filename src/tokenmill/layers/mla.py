@@ -51,24 +51,33 @@ class MLAAttention(PagedAttention):
         w = kv_b_weight.view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
         out = q_nope.new_empty(q_nope.shape[0], h, m.v_head_dim)
-        qsl = meta.query_start_loc
-        for s in range(meta.num_seqs):
+        nd, qsl = meta.num_decodes, meta.query_start_loc
+        if nd:
+            out[:nd] = self._decodes(q_nope[:nd], q_pe[:nd], meta, w_uk, w_uv)
+        for s in range(nd, meta.num_seqs):
             a, b, length = qsl[s], qsl[s + 1], meta.seq_lens[s]
             context = gather_context(cache, meta.block_tables[s], length)  # [L, r + d_rope]
             c, kr = context[:, :m.kv_lora_rank], context[:, m.kv_lora_rank:]
-            if b - a == 1:
-                out[a] = self._decode(q_nope[a], q_pe[a], c, kr, w_uk, w_uv)
-            else:
-                out[a:b] = self._prefill(q_nope[a:b], q_pe[a:b], c, kr, w_uk, w_uv, length)
+            out[a:b] = self._prefill(q_nope[a:b], q_pe[a:b], c, kr, w_uk, w_uv, length)
         return out.reshape(out.shape[0], h * m.v_head_dim)
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, kr: torch.Tensor,
-                w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-        """The absorbed form for one query: [H, d_nope], [H, d_rope] -> [H, d_v]."""
-        q_latent = torch.einsum("hd,hdr->hr", q_nope, w_uk)
-        scores = (q_latent @ c.T + q_pe @ kr.T) * self.scale  # [H, L]
+    def _decodes(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
+                 w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """The step's decodes (sequences [0, num_decodes), one query each) together in the absorbed
+        form, their contexts gathered into one padded [B, L_max, r + d_rope] tensor (padding masked)."""
+        r, cache, n = self.mla.kv_lora_rank, self.kv_cache, q_nope.shape[0]
+        lens = meta.seq_lens[:n]
+        blocks = -(-max(lens) // cache.shape[1])
+        table = torch.tensor([(t[:blocks] + [0] * blocks)[:blocks] for t in meta.block_tables[:n]],
+                             device=cache.device)
+        context = cache[table].flatten(1, 2)[:, :max(lens)]  # [B, L_max, r + d_rope]
+        c, kr = context[..., :r], context[..., r:]
+        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
+        scores = (torch.einsum("bhr,blr->bhl", q_latent, c) + torch.einsum("bhd,bld->bhl", q_pe, kr)) * self.scale
+        valid = torch.arange(context.shape[1], device=cache.device)[None, :] < torch.tensor(lens, device=cache.device)[:, None]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         p = scores.float().softmax(dim=-1).to(c.dtype)
-        return torch.einsum("hr,hvr->hv", p @ c, w_uv)
+        return torch.einsum("bhr,hvr->bhv", torch.einsum("bhl,blr->bhr", p, c), w_uv)
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, kr: torch.Tensor,
                  w_uk: torch.Tensor, w_uv: torch.Tensor, length: int) -> torch.Tensor:

@@ -88,9 +88,9 @@ class ExpertMLP(nn.Module):
 class GateVector(nn.Module):
     """A [1, hidden] gate weight (Qwen2-MoE's `shared_expert_gate`)."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -106,7 +106,7 @@ class SparseMoeBlock(nn.Module):
                                      for _ in range(cfg.num_experts))
         self.shared_expert = (ExpertMLP(hidden, cfg.shared_intermediate_size, dtype, method)
                               if cfg.shared_intermediate_size else None)
-        self.shared_expert_gate = GateVector(hidden) if cfg.shared_expert_gate else None
+        self.shared_expert_gate = GateVector(hidden, dtype) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
