@@ -78,7 +78,8 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_shard_size: str | None = None) -> str:
+def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_shard_size: str | None = None,
+                dtype: str = "float32") -> str:
     import shutil
 
     import transformers
@@ -105,6 +106,7 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_
         for bname, b in model.named_buffers():  # DeepSeek-V3's expert-choice bias is a buffer
             if bname.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     for f in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
