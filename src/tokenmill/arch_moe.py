@@ -73,8 +73,9 @@ def parse_moe(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
     """The MoE description of a config.json, or None for a dense family."""
     layers = int(cfg["num_hidden_layers"])
     if arch == "MixtralForCausalLM":
-        return MoEConfig(num_experts=_int(cfg, "num_local_experts", "num_experts"), top_k=_int(cfg, "num_experts_per_tok"),
-                         intermediate_size=int(cfg["intermediate_size"]), sparse_layers=(True,) * layers,
+        return MoEConfig(num_experts=_int(cfg, "num_local_experts", "num_experts"),
+                         top_k=_int(cfg, "num_experts_per_tok"), intermediate_size=int(cfg["intermediate_size"]),
+                         sparse_layers=(True,) * layers,
                          norm_topk_prob=True)
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         experts = _int(cfg, "num_experts", "num_local_experts")

@@ -74,7 +74,8 @@ class MLAAttention(PagedAttention):
         c, kr = context[..., :r], context[..., r:]
         q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
         scores = (torch.einsum("bhr,blr->bhl", q_latent, c) + torch.einsum("bhd,bld->bhl", q_pe, kr)) * self.scale
-        valid = torch.arange(context.shape[1], device=cache.device)[None, :] < torch.tensor(lens, device=cache.device)[:, None]
+        positions = torch.arange(context.shape[1], device=cache.device)
+        valid = positions[None, :] < torch.tensor(lens, device=cache.device)[:, None]
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         p = scores.float().softmax(dim=-1).to(c.dtype)
         return torch.einsum("bhr,hvr->bhv", torch.einsum("bhl,blr->bhr", p, c), w_uv)

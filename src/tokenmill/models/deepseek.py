@@ -59,7 +59,8 @@ class DecoupledRope(nn.Module):
             x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q_pe: torch.Tensor,
+                k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q_pe [T, H, d_rope], k_pe [T, d_rope]."""
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         return self.rotate(q_pe, cos[:, None], sin[:, None]), self.rotate(k_pe, cos, sin)

@@ -160,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):
+                return None  # the fused path runs dense SiLU-gated MLPs only
             layers.append(DecoderLayerWeights(layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
                                               layer.post_attention_layernorm.weight, mlp.gate_up_proj,
                                               mlp.down_proj, attn.attn.kv_cache))
