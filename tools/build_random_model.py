@@ -3,9 +3,11 @@ fixture builder (tests/fixtures.py) at real sizes, saved in bfloat16 with the te
 
 Usage (from the repository root)::
 
-    .venv/bin/python tools/build_random_model.py mixtral-1b /tmp/mixtral-1b      # ~1.0B total, ~0.33B active
-    .venv/bin/python tools/build_random_model.py deepseek-v2-1b /tmp/dsv2-1b     # MLA + MoE
-    .venv/bin/python tools/build_random_model.py llama-gqa-1b /tmp/llama-1b      # dense GQA of similar size
+    .venv/bin/python tools/build_random_model.py mixtral-1b /tmp/mixtral-1b      # 1.01B total, 0.30B active
+    .venv/bin/python tools/build_random_model.py deepseek-v2-1b /tmp/dsv2-1b     # MLA + MoE, 0.99B total
+    .venv/bin/python tools/build_random_model.py llama-gqa-1b /tmp/llama-1b      # dense GQA, 0.98B
+
+(sizes as `tokenmill plan` counts them).
 
 Then e.g. ``tokenmill bench latency --model /tmp/mixtral-1b --dtype bfloat16 --input-len 128
 --output-len 128`` (MBU counts the k routed experts a batch-1 step reads), ``tokenmill plan
@@ -40,7 +42,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                            moe_intermediate_size=512, first_k_dense_replace=1,
                                            topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False)),
     # a dense GQA model of about the same total size (the MLA comparison's baseline)
-    "llama-gqa-1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+    "llama-gqa-1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=6912, num_hidden_layers=16,
                                    num_attention_heads=16, num_key_value_heads=4)),
 }
 
