@@ -72,10 +72,37 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-partial-window": ("phi3", dict(num_key_value_heads=1, partial_rotary_factor=0.75, sliding_window=24,
                                          pad_token_id=EOS,
                                          tie_word_embeddings=False)),
+    # mixture-of-experts and latent attention: the real configs' routing fields, sizes scaled down
+    "mixtral-8x-top2": ("mixtral", dict(num_key_value_heads=1, num_local_experts=8, num_experts_per_tok=2,
+                                        rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen2moe-shared": ("qwen2_moe", dict(num_key_value_heads=4, num_experts=8, num_experts_per_tok=4,
+                                          moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                                          norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False)),
+    "qwen3moe-norm": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)),
+    # DeepSeek-V2 (not Lite): q_lora_rank, group_limited_greedy over expert groups, yarn in the
+    # transformers 4 dialect (rope_scaling)
+    "deepseek-v2-mla": ("deepseek_v2", dict(
+        num_hidden_layers=3, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=16.0, norm_topk_prob=False, tie_word_embeddings=False,
+        rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0})),
+    # DeepSeek-V3: sigmoid scores, noaux_tc with e_score_correction_bias, interleaved rope, yarn
+    "deepseek-v3-mla": ("deepseek_v3", dict(
+        num_hidden_layers=3, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_interleave=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 
-def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_shard_size: str | None = None) -> str:
+def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_shard_size: str | None = None,
+                dtype: str = "float32") -> str:
     import shutil
 
     import transformers
@@ -89,6 +116,11 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }[arch]
     cfg = cfg_cls(**{**BASE, **overrides})
     torch.manual_seed(seed)
@@ -97,6 +129,10 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 p.normal_(1.0 if "norm" in pname else 0.0, 0.2)
+        for bname, b in model.named_buffers():  # DeepSeek-V3's expert-choice bias is a buffer
+            if bname.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     for f in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, f), out_dir)

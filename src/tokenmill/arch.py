@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.arch_moe import MLAConfig, MoEConfig, parse_mla, parse_moe
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -45,6 +47,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                                    "query_pre_attn_scalar": 256,
                                    "hidden_activation": "gelu_pytorch_tanh"}),
+    "MixtralForCausalLM": ArchSpec("tokenmill.models.moe:MoEForCausalLM", {"attention_bias": False}),
+    "Qwen2MoeForCausalLM": ArchSpec("tokenmill.models.moe:MoEForCausalLM", {"attention_bias": True}),
+    "Qwen3MoeForCausalLM": ArchSpec("tokenmill.models.moe:MoEForCausalLM",
+                                    {"attention_bias": False, "qk_norm": True}),
+    "DeepseekV2ForCausalLM": ArchSpec("tokenmill.models.deepseek:DeepseekForCausalLM", {"attention_bias": False}),
+    "DeepseekV3ForCausalLM": ArchSpec("tokenmill.models.deepseek:DeepseekForCausalLM", {"attention_bias": False}),
 }
 
 
@@ -61,7 +69,7 @@ def model_class(architecture: str) -> type:
     return cls
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -73,11 +81,17 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
-    # longrope (Phi-3): per-frequency divisors below / from original_max_position_embeddings, and the
-    # factor cos and sin are multiplied by
+    # longrope (Phi-3): per-frequency divisors below / from original_max_position_embeddings
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
+    # yarn: the ramp between interpolated and extrapolated frequencies
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+    # the factor cos and sin are multiplied by (longrope, yarn); None: the schedule's own rule
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -116,10 +130,15 @@ class ArchConfig:
         if self.layer_types and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+    moe: MoEConfig | None = None  # routed experts (arch_moe.py), None for dense families
+    mla: MLAConfig | None = None  # latent attention (arch_moe.py): the cache holds latents, not K and V
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per byte of element size."""
+        """Bytes of K and V (MLA: the latent and the rope key) per token over all layers, per byte of
+        element size."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_dim
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
@@ -143,7 +162,7 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None, theta: floa
     original = int(params.get("original_max_position_embeddings")
                    or cfg.get("original_max_position_embeddings") or 8192)
     factor = float(params.get("factor") or 1.0)
-    attention_factor = 1.0
+    attention_factor = None if params.get("attention_factor") is None else float(params["attention_factor"])
     if rope_type == "longrope":  # transformers' rule: factor and attention factor from the lengths
         factor = float(params.get("factor") or cfg.get("max_position_embeddings", original) / original)
         attention_factor = float(params.get("attention_factor")
@@ -158,7 +177,10 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None, theta: floa
         partial_rotary_factor=float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0),
         short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         attention_factor=attention_factor,
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -218,6 +240,7 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
+        mla = parse_mla(cfg, arch)
         eos = _as_ids((generation_cfg or {}).get("eos_token_id")) or _as_ids(cfg.get("eos_token_id"))
         rope, local_rope = _ropes(cfg, defaults)
         return ArchConfig(
@@ -227,13 +250,13 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
+            head_dim=mla.qk_head_dim if mla else int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", defaults["attention_bias"])),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", defaults["attention_bias"]))),
             qk_norm=bool(defaults.get("qk_norm", False)),
             sliding_window=_sliding_window(cfg, arch),
             hidden_act=str(cfg.get("hidden_activation") or defaults.get("hidden_activation")
@@ -247,6 +270,8 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             attn_logit_softcapping=_optional_float(cfg, defaults, "attn_logit_softcapping"),
             query_pre_attn_scalar=_optional_float(cfg, defaults, "query_pre_attn_scalar"),
             norms_per_layer=int(defaults.get("norms_per_layer", 2)),
+            moe=parse_moe(cfg, arch),
+            mla=mla,
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None

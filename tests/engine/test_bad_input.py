@@ -18,10 +18,10 @@ import pytest
 from tests.conftest import random_prompts
 from tests.fixtures import VOCAB
 from tokenmill import LLM, SamplingParams
+from tokenmill.arch import ARCHITECTURES
 from tokenmill.engine.input_processor import check_token_ids, resolve_max_tokens
 
-SUPPORTED = ("Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, "
-             "Qwen2ForCausalLM, Qwen3ForCausalLM")
+SUPPORTED = ", ".join(sorted(ARCHITECTURES))  # the registry's names, in the message's (sorted) order
 
 
 # ---- sampling params -------------------------------------------------------------------------

@@ -7,7 +7,9 @@ first token (RequestOutput.metrics: first arrival -> last first_token_time; a se
 run where metrics are missing). Decode per token is (total - prefill) / (output_len - 1).
 
 Roofline: a decode step reads the weights (lm_head in full, embedding rows only) plus the KV of B
-sequences at the average decode context (input + output/2); floor = those bytes / mem_read_GBps and
+sequences at the average decode context (input + output/2) - for a mixture of experts only the routed
+experts the step reads (k per sparse layer at batch 1; `experts_read_per_layer`), for latent attention
+the latent KV; floor = those bytes / mem_read_GBps and
 MBU = bytes per step x steps/s / mem_read_GBps. Prefill MFU = 2 x matmul params x prefill tok/s /
 matmul GFLOP/s of the dtype. Bandwidth and FLOP/s come from --bandwidth/--flops, else the roofline
 cache, else one measurement at the engine's thread count (then cached).
@@ -115,6 +117,8 @@ def roofline_fields(cost: ModelCost, roof: Ceilings, batch: int, context: int, p
         "decode_floor_ms": None, "decode_memory_floor_ms": None, "decode_compute_floor_ms": None,
         "mbu": None, "prefill_mfu": None,
     }
+    if cost.arch.moe is not None:
+        out["experts_read_per_layer"] = sig(cost.experts_read(batch))
     if roof.bandwidth_gbps:
         out["mbu"] = sig(nbytes / decode_step_s / (roof.bandwidth_gbps * 1e9))
         out["decode_memory_floor_ms"] = sig(nbytes / (roof.bandwidth_gbps * 1e9) * 1e3)

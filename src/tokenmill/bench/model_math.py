@@ -11,6 +11,13 @@ Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
 - quantization (int8, w8a8, int4 with groups of 128): the decoder layers' projections are stored as
   tokenmill holds them in memory (1 byte or half a byte per weight, fp32 scales per output row or per
   row and group, int4's fp32 zero points, W8A8's int32 row sums); embeddings, norms and lm_head stay float.
+- Mixture of experts: params count every expert; matmul_params (FLOPs) only the k experts a token
+  is routed to; decode_weight_bytes(batch) only the experts a step of `batch` tokens reads, expected
+  under uniform routing: E * (1 - (1 - k/E)^batch) per sparse layer (k at batch 1), as the fused MoE
+  path reads each chosen expert once per step and no other.
+- Multi-head latent attention: its projections as the checkpoint has them (q_a/q_b or q, kv_a,
+  kv_b, o, the two low-rank norms); KV per token is the latent plus the rope key; attention FLOPs per
+  position are the absorbed decode's (QK over latent + rope key, PV over the latent).
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class ModelCost:
     @property
     def attention_params_per_layer(self) -> int:
         a = self.arch
+        if a.mla is not None:
+            return self._mla_params_per_layer
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         weights = a.hidden_size * (q + 2 * kv) + q * a.hidden_size
         bias = q + 2 * kv if a.attention_bias else 0
@@ -61,22 +70,81 @@ class ModelCost:
         return weights + bias + qk_norm
 
     @property
-    def mlp_params_per_layer(self) -> int:
-        return 3 * self.arch.hidden_size * self.arch.intermediate_size  # gate, up, down
+    def _mla_params_per_layer(self) -> int:
+        a, m = self.arch, self.arch.mla
+        assert m is not None
+        bias = a.attention_bias
+        q_out = a.num_heads * m.qk_head_dim
+        q = (a.hidden_size * q_out if m.q_lora_rank is None
+             else a.hidden_size * m.q_lora_rank + m.q_lora_rank * (1 + bias) + m.q_lora_rank * q_out)
+        kv = a.hidden_size * m.latent_dim + m.latent_dim * bias + m.kv_lora_rank  # kv_a (+ bias) and its norm
+        kv += m.kv_lora_rank * a.num_heads * (m.qk_nope_head_dim + m.v_head_dim)  # kv_b
+        o = a.num_heads * m.v_head_dim * a.hidden_size + a.hidden_size * bias
+        return q + kv + o
 
     @property
-    def layer_params(self) -> int:
-        norms = self.arch.norms_per_layer * self.arch.hidden_size
-        return self.attention_params_per_layer + self.mlp_params_per_layer + norms
+    def mlp_params_per_layer(self) -> int:
+        """A dense layer's MLP (gate, up, down)."""
+        return 3 * self.arch.hidden_size * self.arch.intermediate_size
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's weights (0 without experts)."""
+        moe = self.arch.moe
+        return 0 if moe is None else 3 * self.arch.hidden_size * moe.intermediate_size
+
+    @property
+    def sparse_layers(self) -> int:
+        return 0 if self.arch.moe is None else self.arch.moe.num_sparse_layers
+
+    @property
+    def _sparse_mlp_params_besides_experts(self) -> int:
+        """A sparse layer's router, shared expert and its gate."""
+        a, moe = self.arch, self.arch.moe
+        assert moe is not None
+        return (moe.num_experts * a.hidden_size + moe.num_experts * moe.score_correction_bias
+                + 3 * a.hidden_size * moe.shared_intermediate_size + a.hidden_size * moe.shared_expert_gate)
+
+    @property
+    def mlp_params(self) -> int:
+        """Every layer's MLP or MoE block, all experts counted."""
+        a = self.arch
+        dense = (a.num_layers - self.sparse_layers) * self.mlp_params_per_layer
+        if a.moe is None:
+            return dense
+        return dense + self.sparse_layers * (a.moe.num_experts * self.expert_params
+                                             + self._sparse_mlp_params_besides_experts)
 
     @property
     def params(self) -> int:
         a = self.arch
-        return self.embedding_params + a.num_layers * self.layer_params + a.hidden_size + self.lm_head_params
+        layers = a.num_layers * (self.attention_params_per_layer + a.norms_per_layer * a.hidden_size) + self.mlp_params
+        return self.embedding_params + layers + a.hidden_size + self.lm_head_params
+
+    def experts_read(self, batch: int) -> float:
+        """Routed experts per sparse layer that a decode step of `batch` tokens reads (expected, under
+        uniform routing); 0 without experts."""
+        moe = self.arch.moe
+        if moe is None:
+            return 0.0
+        e, k = moe.num_experts, moe.top_k
+        return float(k) if batch == 1 else e * (1 - (1 - k / e) ** batch)
+
+    def _unread_expert_params(self, experts_read: float) -> float:
+        moe = self.arch.moe
+        return 0.0 if moe is None else self.sparse_layers * (moe.num_experts - experts_read) * self.expert_params
 
     @property
     def matmul_params(self) -> int:
-        return self.params - (0 if self.arch.tie_word_embeddings else self.embedding_params)
+        """Weights one token multiplies by: MoE layers count its k routed experts only."""
+        k = 0 if self.arch.moe is None else self.arch.moe.top_k
+        return round(self.params - (0 if self.arch.tie_word_embeddings else self.embedding_params)
+                     - self._unread_expert_params(k))
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token uses (its k experts; one embedding row)."""
+        return self.matmul_params + (0 if self.arch.tie_word_embeddings else self.arch.hidden_size)
 
     @property
     def weight_bytes(self) -> int:
@@ -84,7 +152,9 @@ class ModelCost:
 
     def decode_weight_bytes(self, batch: int = 1) -> int:
         rows = 0 if self.arch.tie_word_embeddings else batch * self.arch.hidden_size
-        return (self.matmul_params + rows) * self.elem_bytes - self.quantization_saving
+        k = 0 if self.arch.moe is None else self.arch.moe.top_k
+        extra = self._unread_expert_params(k) - self._unread_expert_params(self.experts_read(batch))
+        return round(self.matmul_params + extra + rows) * self.elem_bytes - self.quantization_saving
 
     @property
     def quantization_saving(self) -> int:
@@ -115,9 +185,20 @@ class ModelCost:
         return self.arch.kv_bytes_per_token * dtype_bytes(kv)
 
     @property
+    def full_kv_bytes_per_token(self) -> int:
+        """KV bytes per token of the same model caching full per-head K and V (MLA: decompressed keys
+        of qk_nope + qk_rope and values of v_head_dim per head; otherwise kv_bytes_per_token)."""
+        a = self.arch
+        if a.mla is None:
+            return self.kv_bytes_per_token
+        return a.num_layers * a.num_heads * (a.mla.qk_head_dim + a.mla.v_head_dim) * self.elem_bytes
+
+    @property
     def attn_flops_per_position(self) -> int:
         """FLOPs one query token spends per position it attends to (QK^T plus PV, all layers)."""
         a = self.arch
+        if a.mla is not None:
+            return 2 * a.num_layers * a.num_heads * (2 * a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)
         return 4 * a.num_layers * a.num_heads * a.head_dim
 
     def decode_bytes(self, batch: int, context: int) -> int:

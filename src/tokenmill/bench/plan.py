@@ -106,6 +106,10 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
         "context": context, "max_requests_at_context": max_requests(capacity, context, args.block_size),
         "prompt_len": prompt_len, "prefill_flops_per_token": round(cost.prefill_flops_per_token(prompt_len)),
         "attn_flops_per_position": cost.attn_flops_per_position,
+        "kv_layout": "mla" if arch.mla is not None else "kv",
+        "full_kv_bytes_per_token": cost.full_kv_bytes_per_token,
+        "kv_capacity_gain": cost.full_kv_bytes_per_token / cost.kv_bytes_per_token,
+        "active_params": cost.active_params,
         "mem_read_GBps": roof.bandwidth_gbps, "matmul_gflops": roof.gflops,
         "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
     }
@@ -120,6 +124,11 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
                         "tok_s": f.tok_s, "bound": f.bound})
         rows.append(row)
     plan["decode"] = rows
+    if arch.mla is not None:
+        plan.update(kv_lora_rank=arch.mla.kv_lora_rank, qk_rope_head_dim=arch.mla.qk_rope_head_dim)
+    if arch.moe is not None:
+        plan.update(experts=arch.moe.num_experts, experts_per_token=arch.moe.top_k,
+                    sparse_layers=arch.moe.num_sparse_layers)
     if roof.bandwidth_gbps and roof.gflops:
         crossover = cost.crossover_batch(context, roof.bandwidth_gbps, roof.gflops)
         plan["compute_bound_batch"] = None if crossover is None else round(crossover, 1)
@@ -155,16 +164,26 @@ def _gib(n: int | None) -> str:
 def render(plan: dict[str, Any]) -> str:
     p = plan
     tied = "tied: counted once" if p["tie_word_embeddings"] else f"lm_head {_count(p['lm_head_params'])}, untied"
+    if p["kv_layout"] == "mla":
+        kv = (f"KV cache     {p['kv_bytes_per_token']} B/token  (MLA: {p['layers']} layers x ({p['kv_lora_rank']} "
+              f"latent + {p['qk_rope_head_dim']} rope key) x {p['dtype_bytes']} B; full K/V would be "
+              f"{p['full_kv_bytes_per_token']} B/token: {p['kv_capacity_gain']:.1f}x the tokens in the same memory)")
+    else:
+        kv = (f"KV cache     {p['kv_bytes_per_token']} B/token with --kv-cache-dtype {p['kv_cache_dtype']}  (K and V "
+              f"of {p['layers']} layers x {p['kv_heads']} kv heads x {p['head_dim']})")
+    experts = ""
+    if "experts" in p:
+        experts = (f"; {p['experts']} experts, {p['experts_per_token']} per token in {p['sparse_layers']} layers: "
+                   f"{_count(p['active_params'])} active")
     lines = [
         f"model        {p['model']}  ({p['architecture']}, {p['dtype']})",
-        f"parameters   {_count(p['params'])}  (embedding {_count(p['embedding_params'])}, {tied}); "
+        f"parameters   {_count(p['params'])}  (embedding {_count(p['embedding_params'])}, {tied}){experts}; "
         f"weights {p['weight_bytes'] / 1e6:.1f} MB",
         "weights by   " + ", ".join(f"{f} {b / 1e6:.1f} MB" for f, b in p["weight_bytes_by_format"].items())
         + f" (int4: groups of {INT4_GROUP})",
         f"per decode   {p['decode_weight_bytes'] / 1e6:.1f} MB of weights read per step "
-        "(embedding table: used rows only)",
-        f"KV cache     {p['kv_bytes_per_token']} B/token with --kv-cache-dtype {p['kv_cache_dtype']}  (K and V of "
-        f"{p['layers']} layers x {p['kv_heads']} kv heads x {p['head_dim']})",
+        "(embedding table: used rows only" + ("; routed experts: the k chosen)" if experts else ")"),
+        kv,
         f"memory       {_gib(p['memory_bytes'])} total -> KV {_gib(p['kv_cache_bytes'])}: "
         f"{p['max_kv_tokens']:,} tokens; "
         f"{p['max_requests_at_max_model_len']} requests at {p['max_model_len']} tokens, "

@@ -1,5 +1,5 @@
 """Rotary position embedding (the non-interleaved "rotate half" layout of HF Llama), with the
-default, linear, llama3 and longrope frequency schedules. cos/sin are precomputed per position.
+default, linear, llama3, longrope and yarn frequency schedules. cos/sin are precomputed per position.
 
 LongRoPE (Phi-3) divides the frequencies by `short_factor` and, from `original_max_position_embeddings`
 on, by `long_factor`, and scales cos and sin by `attention_factor`. transformers picks one set per forward
@@ -33,6 +33,8 @@ def inv_frequencies(rot_dim: int, rope: RopeConfig, long: bool = False) -> torch
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
+    if rope.rope_type == "yarn":
+        return _yarn(inv_freq, rot_dim, rope)
     if rope.rope_type == "llama3":
         old_len = rope.original_max_position_embeddings
         low_wavelen = old_len / rope.low_freq_factor
@@ -57,12 +59,12 @@ class RotaryEmbedding(nn.Module):
             long = positions >= rope.original_max_position_embeddings
             freqs = torch.where(long, positions * inv_frequencies(self.rot_dim, rope, long=True)[None, :], freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
+        scale = attention_factor(rope)
         device = torch.get_default_device()  # the model is built under its device's context
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        cos, sin = emb.cos() * rope.attention_factor, emb.sin() * rope.attention_factor
-        self.register_buffer("cos_cache", cos.to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin_cache", sin.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos_cache", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated (in place on the fused path)."""
@@ -81,3 +83,47 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(inv_freq: torch.Tensor, rot_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: interpolated frequencies (divided by `factor`) below the low-rotation boundary,
+    the original ones above the high one, a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return (rot_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)
+    return 1.0 / (rope.factor * pos_freqs) * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """The scale longrope and yarn apply to cos and sin (1 for every other schedule)."""
+    if rope.rope_type == "longrope":
+        return 1.0 if rope.attention_factor is None else rope.attention_factor
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor)
+
+
+def yarn_softmax_scale(rope: RopeConfig) -> float:
+    """DeepSeek's extra softmax scale under yarn: mscale(factor, mscale_all_dim) squared."""
+    if rope.rope_type == "default" or not rope.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2

@@ -100,7 +100,8 @@ class GemmaForCausalLM(nn.Module):
                              persistent=False)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, opts, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, opts.dtype, opts.linear_method)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, opts.dtype,
+                              opts.lm_head_method or opts.linear_method)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, opts.dtype)
         self.local_rotary = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope, opts.dtype)
                              if cfg.local_rope is not None else self.rotary)

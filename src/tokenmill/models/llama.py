@@ -81,12 +81,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, opts: ModelOptions) -> None:
+    def __init__(self, cfg: ArchConfig, opts: ModelOptions, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, opts)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, opts)
+        self.mlp = self.build_mlp(cfg, opts, layer_idx)
+
+    def build_mlp(self, cfg: ArchConfig, opts: ModelOptions, layer_idx: int) -> nn.Module:
+        """The layer's feed-forward block (a subclass may return another, e.g. a sparse MoE block)."""
+        return MLP(cfg, opts)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, meta: AttentionMetadata,
@@ -108,11 +112,13 @@ class LlamaForCausalLM(nn.Module):
     """Parameters are named as in HF checkpoints (without the `model.` prefix), except the fused
     qkv_proj / gate_up_proj."""
 
+    decoder_layer: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, cfg: ArchConfig, opts: ModelOptions) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, opts) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, opts, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, opts.dtype,
                               opts.lm_head_method or opts.linear_method)
@@ -142,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):
+                return None  # the fused path runs dense SiLU-gated MLPs only
             layers.append(DecoderLayerWeights(layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
                                               layer.post_attention_layernorm.weight, mlp.gate_up_proj,
                                               mlp.down_proj, attn.attn.kv_cache))

@@ -1,0 +1,71 @@
+"""Build a random-weight checkpoint of a given shape for benchmarking (no download): the tests'
+fixture builder (tests/fixtures.py) at real sizes, saved in bfloat16 with the tests' tokenizer.
+
+Usage (from the repository root)::
+
+    .venv/bin/python tools/build_random_model.py mixtral-1b /tmp/mixtral-1b      # 1.01B total, 0.30B active
+    .venv/bin/python tools/build_random_model.py deepseek-v2-1b /tmp/dsv2-1b     # MLA + MoE, 0.99B total
+    .venv/bin/python tools/build_random_model.py llama-gqa-1b /tmp/llama-1b      # dense GQA, 0.98B
+
+(sizes as `tokenmill plan` counts them).
+
+Then e.g. ``tokenmill bench latency --model /tmp/mixtral-1b --dtype bfloat16 --input-len 128
+--output-len 128`` (MBU counts the k routed experts a batch-1 step reads), ``tokenmill plan
+/tmp/dsv2-1b`` (MLA's KV bytes per token and capacity gain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.fixtures import MODEL_SPECS, build_model, train_tokenizer  # noqa: E402
+
+COMMON: dict[str, Any] = dict(vocab_size=32000, max_position_embeddings=8192, initializer_range=0.02,
+                              tie_word_embeddings=False)
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    # Mixtral's shape scaled down: 8 experts, top 2, GQA 4:1, expert MLP ~3.5x hidden
+    "mixtral-1b": ("mixtral", dict(COMMON, hidden_size=1024, intermediate_size=2304, num_hidden_layers=16,
+                                   num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+                                   num_experts_per_tok=2, rope_theta=1e6)),
+    # DeepSeek-V2-Lite's shape scaled down: MLA (kv_lora_rank 512 -> 256), 1 dense layer then MoE
+    "deepseek-v2-1b": ("deepseek_v2", dict(COMMON, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                                           num_attention_heads=16, q_lora_rank=None, kv_lora_rank=256,
+                                           qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                           n_routed_experts=32, num_experts_per_tok=6, n_shared_experts=2,
+                                           moe_intermediate_size=512, first_k_dense_replace=1,
+                                           topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False)),
+    # a dense GQA model of about the same total size (the MLA comparison's baseline)
+    "llama-gqa-1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=6912, num_hidden_layers=16,
+                                   num_attention_heads=16, num_key_value_heads=4)),
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON",
+                   help="override config fields, e.g. num_hidden_layers=2 hidden_size=256")
+    args = p.parse_args()
+    family, fields = SHAPES[args.shape]
+    for item in args.set:
+        key, _, value = item.partition("=")
+        fields = {**fields, key: json.loads(value)}
+    MODEL_SPECS[args.shape] = (family, fields)
+    with tempfile.TemporaryDirectory() as tok_dir:
+        train_tokenizer(tok_dir)
+        build_model(args.shape, args.out_dir, tok_dir, seed=args.seed, max_shard_size="2GB", dtype="bfloat16")
+    print(args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
