@@ -24,6 +24,7 @@ class ArchSpec:
 
     model_class: str  # "module:Class", imported lazily
     defaults: dict[str, Any] = field(default_factory=dict)
+    runner: str = "generate"  # the runner its checkpoints get by default: generate | pooling (embeddings)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -32,7 +33,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM", {"attention_bias": True}),
     "Qwen3ForCausalLM": ArchSpec("tokenmill.models.llama:LlamaForCausalLM",
                                  {"attention_bias": False, "qk_norm": True}),
+    # the BERT encoder as sentence-transformers checkpoints store it (no MLM or pooler head used)
+    "BertModel": ArchSpec("tokenmill.models.bert:BertModel", {"attention_bias": True, "hidden_act": "gelu"},
+                          runner="pooling"),
 }
+RUNNERS = ("generate", "pooling")
 
 
 def _unsupported(arch: object) -> ValueError:
@@ -69,7 +74,7 @@ class ArchConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon (config.json's layer_norm_eps in LayerNorm families)
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
@@ -80,6 +85,13 @@ class ArchConfig:
     dtype: str | None  # the checkpoint's dtype as written, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    type_vocab_size: int = 0  # token-type (segment) embeddings of encoder families
+    matryoshka_dimensions: tuple[int, ...] | None = None  # embedding sizes it was trained to truncate to
+    pad_token_id: int | None = None
+
+    @property
+    def default_runner(self) -> str:
+        return ARCHITECTURES[self.architecture].runner
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -114,6 +126,17 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _matryoshka(cfg: dict[str, Any], hidden: int) -> tuple[int, ...] | None:
+    """The sizes `dimensions` may truncate embeddings to: config.json's `matryoshka_dimensions`, or any
+    size up to the hidden size where it says `is_matryoshka` (vLLM reads the same two fields)."""
+    dims = cfg.get("matryoshka_dimensions")
+    if dims:
+        return tuple(int(d) for d in dims)
+    if cfg.get("is_matryoshka"):
+        return tuple(range(1, hidden + 1))
+    return None
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     window = cfg.get("sliding_window")
     if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
@@ -142,17 +165,20 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=_rope(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", defaults["attention_bias"])),
             qk_norm=bool(defaults.get("qk_norm", False)),
             sliding_window=_sliding_window(cfg, arch),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            hidden_act=str(cfg.get("hidden_act", defaults.get("hidden_act", "silu"))),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
+            type_vocab_size=int(cfg.get("type_vocab_size") or 0),
+            matryoshka_dimensions=_matryoshka(cfg, hidden),
+            pad_token_id=cfg.get("pad_token_id"),
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None
