@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -82,6 +83,12 @@ class _ReadyServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             print(f"{self.ready_line}, ready in {time.time() - self.launched:.1f}s", flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's own handler re-raises the signal once it has shut down (exit 143); a drained stop is 0.
+        # A second signal ends the requests still in flight at once.
+        self.force_exit = self.should_exit
+        self.should_exit = True
 
 
 async def run_embedding_server(args: argparse.Namespace, config: EngineConfig, launched: float | None = None) -> int:
