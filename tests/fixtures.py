@@ -141,7 +141,6 @@ def build_bert(out_dir: str, tokenizer_dir: str, pooling: str = "MEAN", normaliz
     """A tiny random BertModel laid out as a sentence-transformers checkpoint: modules.json (Transformer,
     Pooling, and Normalize where asked), 1_Pooling/config.json and sentence_bert_config.json."""
     import json
-    import shutil
 
     import transformers
 
@@ -155,8 +154,9 @@ def build_bert(out_dir: str, tokenizer_dir: str, pooling: str = "MEAN", normaliz
             if pname.endswith("bias") or "LayerNorm" in pname:
                 p.normal_(1.0 if "LayerNorm.weight" in pname else 0.0, 0.2)
     model.save_pretrained(out_dir)
-    for f in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches
+    tokenizer.save_pretrained(out_dir)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:

@@ -102,7 +102,10 @@ class PoolingRunner:
         bs = self.block_size
         counts = [-(-len(p) // bs) for p in prompts]
         self._ensure_cache(sum(counts))
-        tables, slots, positions, starts = [], [], [], [0]
+        tables: list[list[int]] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        starts = [0]
         first = 0
         for p, c in zip(prompts, counts, strict=True):
             tables.append(list(range(first, first + c)))

@@ -38,7 +38,7 @@ class EmbeddingRequest(OpenAIRequest):
         if isinstance(value, str):
             return [value]
         if value and isinstance(value[0], int):
-            return [value]  # type: ignore[list-item]
+            return [value]
         return value  # type: ignore[return-value]
 
 
