@@ -20,7 +20,7 @@ from tests.fixtures import VOCAB
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.input_processor import check_token_ids, resolve_max_tokens
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = "BertModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
 
 
 # ---- sampling params -------------------------------------------------------------------------

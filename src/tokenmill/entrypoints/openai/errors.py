@@ -56,7 +56,6 @@ _TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_er
 _UNION_FIELDS = {
     "prompt": "prompt must be a non-empty string, a list of them, a list of token ids or a list of token-id lists",
     "stop": "stop must be a non-empty string or a list of them",
-    "input": "input must be a non-empty string, a list of them, a list of token ids or a list of token-id lists",
 }
 # pydantic error types about the shape of the body, not a value in it
 _MAP_FIELDS = ("logit_bias", "chat_template_kwargs")
