@@ -115,7 +115,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None,
         except EngineDeadError as e:
             raise engine_dead(e) from None
 
-    @app.post("/v1/embeddings", responses=errors(400, 401, 413))
+    @app.post("/v1/embeddings", include_in_schema=False)  # a refusal, not an operation of this server
     async def embeddings_refused() -> Response:
         return APIError("invalid_request", f"this server generates text with {ctx.model_name!r} and serves no "
                         "embeddings; start an embedding server with `tokenmill serve MODEL --runner pooling` (an "
