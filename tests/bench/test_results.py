@@ -79,7 +79,7 @@ def test_a_write_that_fails_late_is_a_value_error(tmp_path: Path) -> None:
         sink.write({"bench": "x"})
 
 
-REQUIRED = {"throughput": ["--model", "m"], "latency": ["--model", "m"], "serve": [], "roofline": []}
+REQUIRED = {"throughput": ["--model", "m"], "latency": ["--model", "m"], "serve": [], "roofline": [], "embed": []}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

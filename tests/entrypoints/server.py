@@ -47,7 +47,8 @@ class RemoteServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            m = re.search(r"tokenmill serving .* \(engine core pid (\d+)", self.output())
+            # a generating server names its engine core process; an embedding server runs in one process
+            m = re.search(r"tokenmill serving .* \((?:engine core )?pid (\d+)", self.output())
             if m:
                 return int(m.group(1))
             time.sleep(0.2)

@@ -16,6 +16,7 @@ KINDS = {
     "latency": ("tokenmill.bench.latency", "batch-1/batch-N prefill and decode latency vs the roofline"),
     "serve": ("tokenmill.bench.serve", "load generator against an OpenAI-compatible server"),
     "roofline": ("tokenmill.bench.roofline", "this machine's memory bandwidth and matmul GFLOP/s (cached)"),
+    "embed": ("tokenmill.bench.embed", "embedding sentences/s against sentence-transformers' encode"),
 }
 
 

@@ -57,6 +57,10 @@ def register(subparsers: Any) -> None:
                    help="the most sequences one request may fan out into, its prompts times n (20 prompts with "
                         "n=4 are 80); more get a 400 (default: %(default)s, or --max-num-seqs plus --max-queue-len "
                         "when --max-queue-len is set and that is less)")
+    p.add_argument("--embed-batch-wait-ms", type=float, default=2.0, metavar="MS",
+                   help="embedding servers (--runner pooling): the inputs of requests that arrive within this many "
+                        "milliseconds of the first one waiting run as one batch, of up to --max-num-batched-tokens "
+                        "tokens (default %(default)s)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -119,7 +123,16 @@ def run(args: argparse.Namespace) -> int:
     template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     try:
-        code = asyncio.run(run_server(args, engine_args, template, STARTED_AT))
+        config = engine_args.create_engine_config()
+    except ValueError:
+        config = None  # the generating server's start-up reports it, as for any engine that cannot start
+    try:
+        if config is not None and config.model.runner == "pooling":
+            from tokenmill.entrypoints.openai.embedding_server import run_embedding_server
+
+            code = asyncio.run(run_embedding_server(args, config, STARTED_AT))
+        else:
+            code = asyncio.run(run_server(args, engine_args, template, STARTED_AT))
     except KeyboardInterrupt:
         code = 130
     except SystemExit as e:  # SIGTERM while the engine loads

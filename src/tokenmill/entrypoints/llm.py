@@ -1,4 +1,5 @@
-"""The offline API, shaped like vLLM's: `LLM(model=PATH).generate(prompts, params)`."""
+"""The offline API, shaped like vLLM's: `LLM(model=PATH).generate(prompts, params)`, and for an
+embedding model (runner 'pooling', the default for encoder checkpoints) `LLM(model=PATH).embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.engine.pooling_engine import EmbeddingEngine
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -22,10 +24,31 @@ class LLM:
         unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args), skip_tokenizer_init)
+        config = EngineArgs(model=model, **engine_args).create_engine_config()
+        pooling = config.model.runner == "pooling"
+        self.embedding_engine = EmbeddingEngine(config, skip_tokenizer_init) if pooling else None
+        self._engine = None if pooling else LLMEngine(config, skip_tokenizer_init)
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise ValueError("this LLM runs an embedding model (runner 'pooling'): use embed(); generating needs "
+                             "a decoder with runner='generate'")
+        return self._engine
 
     def get_tokenizer(self) -> Any:
+        if self.embedding_engine is not None:
+            return self.embedding_engine.tokenizer
         return self.engine.get_tokenizer()
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, a list of token ids or a {"prompt_token_ids": ...} dict),
+        in their order; see engine/pooling_engine.py for truncate_prompt_tokens and dimensions."""
+        if self.embedding_engine is None:
+            raise ValueError("embed() needs an embedding model: LLM(MODEL, runner='pooling') (vLLM's name), with "
+                             "--pooler-config's pooling for a decoder")
+        return self.embedding_engine.embed(self._as_list(prompts), truncate_prompt_tokens, dimensions)
 
     def generate(
         self,

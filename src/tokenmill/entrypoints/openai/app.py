@@ -13,7 +13,7 @@ from tokenmill import __version__
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import check_token_ids
 from tokenmill.entrypoints.openai import serving_responses
-from tokenmill.entrypoints.openai.errors import bad_request, install_error_handlers
+from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
 from tokenmill.entrypoints.openai.openapi import SSE, errors, install_openapi
 from tokenmill.entrypoints.openai.protocol import (
@@ -114,6 +114,13 @@ def build_app(ctx: ServerContext, api_key: str | None = None,
             return ResetPrefixCacheResponse(reset=await engine.reset_prefix_cache())
         except EngineDeadError as e:
             raise engine_dead(e) from None
+
+    @app.post("/v1/embeddings", include_in_schema=False)  # a refusal, not an operation of this server
+    async def embeddings_refused() -> Response:
+        return APIError("invalid_request", f"this server generates text with {ctx.model_name!r} and serves no "
+                        "embeddings; start an embedding server with `tokenmill serve MODEL --runner pooling` (an "
+                        "embedding checkpoint such as a sentence-transformers BertModel pools by default; a decoder "
+                        "takes --pooler-config)", "model").response()
 
     serving_responses.register(app, ctx)
     return app
