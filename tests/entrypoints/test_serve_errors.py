@@ -52,6 +52,8 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
     ("/v1/chat/completions", {"messages": MSG, "guided_json": {"type": "bogus"}}, 400, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/responses", {"input": "x", "tool_choice": {"type": "function", "name": ""}}, 400, "tool_choice.name"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages.0.content.0.type"),
@@ -222,3 +224,12 @@ def test_healthy_after_errors(server: RemoteServer, http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     r = http.post("/v1/completions", json={"prompt": "still fine", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_logprobs_of_tokens_a_constraint_rules_out_are_json(http: httpx.Client) -> None:
+    """A grammar masks most of the vocabulary to -inf, which JSON cannot carry: the response holds
+    vLLM's floor (-9999.0) in its place, not a 500."""
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 5, "guided_choice": ["ab"]})
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert min(v for top in tops for v in top.values()) == -9999.0

@@ -31,9 +31,11 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
+    MIN_JSON_LOGPROB,
     REQUEST_ID_HEADER,
     OpenAIServing,
     collect_final,
+    json_logprob,
     merge_streams,
     prompt_logprobs_json,
     sse_stream,
@@ -178,9 +180,9 @@ class OpenAIServingChat(OpenAIServing):
             tops = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top]
             token = self._token(tid, entry)
             content.append(TokenLogprob(
-                token=token, logprob=entry[tid].logprob if tid in entry else float("-inf"),
+                token=token, logprob=json_logprob(entry[tid].logprob) if tid in entry else MIN_JSON_LOGPROB,
                 bytes=list(token.encode()),
-                top_logprobs=[TopLogprob(token=(s := self._token(t, entry)), logprob=e.logprob,
+                top_logprobs=[TopLogprob(token=(s := self._token(t, entry)), logprob=json_logprob(e.logprob),
                                          bytes=list(s.encode())) for t, e in tops]))
         return ChatLogprobs(content=content)
 

@@ -28,6 +28,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     RequestIds,
     collect_final,
+    json_logprob,
     merge_streams,
     prompt_logprobs_json,
     sse_stream,
@@ -209,8 +210,8 @@ class _ChoiceBuilder:
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
             else:
-                lp.token_logprobs.append(entry[tid].logprob)
-                lp.top_logprobs.append({self._token(t, entry): e.logprob for t, e in entry.items()})
+                lp.token_logprobs.append(json_logprob(entry[tid].logprob))
+                lp.top_logprobs.append({self._token(t, entry): json_logprob(e.logprob) for t, e in entry.items()})
         self.offsets[index] = offset
         return lp
 

@@ -305,12 +305,20 @@ async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
     return finals
 
 
+# the logprob JSON carries for a token the request's constraints ruled out (-inf is not JSON), as vLLM's
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return max(value, MIN_JSON_LOGPROB)
+
+
 def prompt_logprobs_json(entries: list[PositionLogprobs | None],
                          token_text: Callable[[int, PositionLogprobs], str]) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: its logprob, rank and
     text} for the actual token and the top k."""
     return [None if entry is None else
-            {str(t): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=token_text(t, entry))
+            {str(t): PromptLogprob(logprob=json_logprob(e.logprob), rank=e.rank, decoded_token=token_text(t, entry))
              for t, e in entry.items()} for entry in entries]
 
 

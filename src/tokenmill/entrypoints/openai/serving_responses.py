@@ -38,7 +38,7 @@ from tokenmill.engine.async_engine import RequestStream
 from tokenmill.engine.input_processor import ProcessedPrompt
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import ChatMessage, ErrorResponse, SamplingRequest
-from tokenmill.entrypoints.openai.request_types import INTEGRAL, OpenAIRequest, token_count
+from tokenmill.entrypoints.openai.request_types import INTEGRAL, NonEmptyStr, OpenAIRequest, token_count
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -122,7 +122,7 @@ class ResponsesFunctionTool(OpenAIRequest):
 
 class ResponsesNamedChoice(OpenAIRequest):
     type: Literal["function"]
-    name: str
+    name: NonEmptyStr
 
 
 class TextFormat(OpenAIRequest):

@@ -59,7 +59,10 @@ def structured_outputs_of(req: SamplingRequest) -> tuple[StructuredOutputsParams
                        ("guided_grammar", "grammar")):
         value = getattr(req, name)
         if value is not None:
-            found.append((name, StructuredOutputsParams(**{kind: value})))
+            try:
+                found.append((name, StructuredOutputsParams(**{kind: value})))
+            except ValueError as e:
+                raise bad_request(str(e), name) from None
     if len(found) > 1:
         raise bad_request(f"give at most one of {', '.join(_CONSTRAINT_FIELDS)}; got {', '.join(n for n, _ in found)}",
                           found[1][0])
