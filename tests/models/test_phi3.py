@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
-from tests.fixtures import _hf_model, hf_greedy
-from tokenmill import LLM, SamplingParams
+from tests.fixtures import _hf_model, greedy_ids, hf_greedy
+from tokenmill import LLM
 from tokenmill.arch import load_arch_config
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -53,11 +53,6 @@ def cached_reference(model_dir: str, prompt: tuple[int, ...], max_tokens: int) -
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
 def expected(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     return [reference(model_dir, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
 
@@ -68,7 +63,7 @@ def test_chunked_prefill_and_preemption(model_dirs: dict[str, str], name: str, b
     model_dir = model_dirs[name]
     llm = LLM(model_dir, dtype="float32", num_kv_blocks=10, block_size=8, max_model_len=80,
               max_num_batched_tokens=8, max_num_seqs=4, attention_backend=backend)
-    got = run(llm, PROMPTS, MAX_TOKENS)
+    got = greedy_ids(llm, PROMPTS, MAX_TOKENS)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert got == expected(model_dir, PROMPTS, MAX_TOKENS)
     assert llm.engine.core.scheduler.kv.num_free_blocks == 10
@@ -81,10 +76,10 @@ def test_prefix_cache_hits(model_dirs: dict[str, str], backend: str) -> None:
     prompts = [shared + tail for tail in random_prompts(4, 1, 12, seed=33)]
     max_tokens = [10, 16, 5, 12]
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="4MiB", attention_backend=backend, block_size=16)
-    first = run(llm, prompts[:1], max_tokens[:1])
+    first = greedy_ids(llm, prompts[:1], max_tokens[:1])
     kv = llm.engine.core.scheduler.kv
     hits_before = kv.prefix_hits
-    rest = run(llm, prompts[1:], max_tokens[1:])
+    rest = greedy_ids(llm, prompts[1:], max_tokens[1:])
     assert kv.prefix_hits - hits_before >= 3 * 32
     assert first + rest == expected(model_dir, prompts, max_tokens)
 
@@ -98,7 +93,7 @@ def test_longrope_across_the_original_length(model_dirs: dict[str, str], backend
     max_tokens = [16, 12, 20]
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="4MiB", attention_backend=backend,
               max_num_batched_tokens=48)
-    got = run(llm, prompts, max_tokens)
+    got = greedy_ids(llm, prompts, max_tokens)
     assert got == [cached_reference(model_dir, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
 
 

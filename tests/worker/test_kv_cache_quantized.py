@@ -12,17 +12,13 @@ import torch
 import transformers
 
 from tests.conftest import random_prompts
-from tokenmill import LLM, SamplingParams
+from tests.fixtures import greedy_ids
+from tokenmill import LLM
 from tokenmill.kv_cache_spec import FullAttentionSpec, kv_storage_dtype
 from tokenmill.layers.attention import attention_layers
 
 PROMPTS = random_prompts(9, 3, 60, seed=1)
 MAX_TOKENS = [7, 30, 12, 25, 3, 18, 30, 9, 21]
-
-
-def greedy_ids(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_spec_bytes_count_the_scales() -> None:
