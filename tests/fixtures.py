@@ -3,6 +3,7 @@ BPE tokenizer trained in seconds on the Python standard library's own sources.""
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sysconfig
@@ -247,3 +248,27 @@ def greedy_ids(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> lis
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@functools.cache
+def hf_greedy_cached(model_dir: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    """hf_greedy, remembered per (model, prompt, length): the golden tests ask for the same ones often."""
+    return hf_greedy(model_dir, list(prompt), max_tokens)
+
+
+def hf_expected(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    return [hf_greedy_cached(model_dir, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
+
+
+def check_chunked_prefill_and_preemption(model_dir: str, backend: str, prompts: list[list[int]],
+                                         max_tokens: list[int]) -> None:
+    """Greedy tokens equal transformers' through 8-token prefill chunks and preemption (10 blocks of 8
+    tokens hold one long request but not the batch), and every block is free afterwards."""
+    from tokenmill import LLM
+
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=10, block_size=8, max_model_len=80,
+              max_num_batched_tokens=8, max_num_seqs=4, attention_backend=backend)
+    got = greedy_ids(llm, prompts, max_tokens)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert got == hf_expected(model_dir, prompts, max_tokens)
+    assert llm.engine.core.scheduler.kv.num_free_blocks == 10

@@ -6,7 +6,6 @@ decode path declining these layers."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -14,7 +13,13 @@ import shutil
 import pytest
 
 from tests.conftest import random_prompts
-from tests.fixtures import greedy_ids, hf_greedy, hf_logprobs
+from tests.fixtures import (
+    check_chunked_prefill_and_preemption,
+    greedy_ids,
+    hf_expected,
+    hf_greedy_cached,
+    hf_logprobs,
+)
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch import parse_arch_config
 from tokenmill.attention.cpu import CpuBackend
@@ -28,26 +33,10 @@ PROMPTS = random_prompts(5, 3, 45, seed=21)  # the fixtures' window (16) is shor
 MAX_TOKENS = [14, 6, 10, 16, 9]
 
 
-@functools.cache
-def reference(model_dir: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    return hf_greedy(model_dir, list(prompt), max_tokens)
-
-
-def expected(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    return [reference(model_dir, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", GEMMAS)
 def test_chunked_prefill_and_preemption(model_dirs: dict[str, str], name: str, backend: str) -> None:
-    model_dir = model_dirs[name]
-    # 8-token chunks; 10 blocks of 8 tokens hold one long request but not the batch
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=10, block_size=8, max_model_len=80,
-              max_num_batched_tokens=8, max_num_seqs=4, attention_backend=backend)
-    got = greedy_ids(llm, PROMPTS, MAX_TOKENS)
-    assert llm.engine.core.scheduler.num_preemptions > 0
-    assert got == expected(model_dir, PROMPTS, MAX_TOKENS)
-    assert llm.engine.core.scheduler.kv.num_free_blocks == 10
+    check_chunked_prefill_and_preemption(model_dirs[name], backend, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -63,7 +52,7 @@ def test_prefix_cache_hits(model_dirs: dict[str, str], name: str, backend: str) 
     hits_before = kv.prefix_hits
     rest = greedy_ids(llm, prompts[1:], max_tokens[1:])
     assert kv.prefix_hits - hits_before >= 3 * 32  # the 2 full shared blocks, beyond the window
-    assert first + rest == expected(model_dir, prompts, max_tokens)
+    assert first + rest == hf_expected(model_dir, prompts, max_tokens)
 
 
 def test_logprobs_under_the_final_soft_cap(model_dirs: dict[str, str]) -> None:
@@ -167,7 +156,7 @@ def test_chat_with_gemma_turns(model_dirs: dict[str, str]) -> None:
     tok = llm.get_tokenizer()
     text = tok.decode(out.prompt_token_ids)
     assert text.startswith("<|bos|><start_of_turn>user\ndef add") and text.endswith("<start_of_turn>model\n")
-    assert out.outputs[0].token_ids == reference(model_dir, tuple(out.prompt_token_ids), 8)
+    assert out.outputs[0].token_ids == hf_greedy_cached(model_dir, tuple(out.prompt_token_ids), 8)
 
 
 def test_checkpoint_missing_a_sandwich_norm_names_it(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:

@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
-from tests.fixtures import _hf_model, greedy_ids, hf_greedy
+from tests.fixtures import (
+    _hf_model,
+    check_chunked_prefill_and_preemption,
+    greedy_ids,
+    hf_expected,
+)
 from tokenmill import LLM
 from tokenmill.arch import load_arch_config
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -25,11 +30,6 @@ PHIS = ["phi3-longrope", "phi3-partial-window"]
 PROMPTS = random_prompts(5, 3, 45, seed=31)  # phi3-partial-window's window (24) is shorter than most
 MAX_TOKENS = [14, 6, 10, 16, 9]
 ORIGINAL = 128  # phi3-longrope's original_max_position_embeddings
-
-
-@functools.cache
-def reference(model_dir: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    return hf_greedy(model_dir, list(prompt), max_tokens)
 
 
 @functools.cache
@@ -53,20 +53,10 @@ def cached_reference(model_dir: str, prompt: tuple[int, ...], max_tokens: int) -
     return out
 
 
-def expected(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    return [reference(model_dir, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", PHIS)
 def test_chunked_prefill_and_preemption(model_dirs: dict[str, str], name: str, backend: str) -> None:
-    model_dir = model_dirs[name]
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=10, block_size=8, max_model_len=80,
-              max_num_batched_tokens=8, max_num_seqs=4, attention_backend=backend)
-    got = greedy_ids(llm, PROMPTS, MAX_TOKENS)
-    assert llm.engine.core.scheduler.num_preemptions > 0
-    assert got == expected(model_dir, PROMPTS, MAX_TOKENS)
-    assert llm.engine.core.scheduler.kv.num_free_blocks == 10
+    check_chunked_prefill_and_preemption(model_dirs[name], backend, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -81,7 +71,7 @@ def test_prefix_cache_hits(model_dirs: dict[str, str], backend: str) -> None:
     hits_before = kv.prefix_hits
     rest = greedy_ids(llm, prompts[1:], max_tokens[1:])
     assert kv.prefix_hits - hits_before >= 3 * 32
-    assert first + rest == expected(model_dir, prompts, max_tokens)
+    assert first + rest == hf_expected(model_dir, prompts, max_tokens)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
