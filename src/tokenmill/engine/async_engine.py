@@ -186,13 +186,16 @@ class AsyncLLM:
         children = child_requests(request_id, delta_params)
         requests = [self.input_processor.make_request(cid, processed, cp, priority, now, priority_class, group)
                     for cid, cp in children]
-        self._check_capacity(params.n)  # after validation: a bad request is a ValueError, never a full queue
+        interactive = priority_class == PriorityClass.INTERACTIVE
+        if interactive:  # batch lines are bounded by their runner and never take the interactive queue's room
+            self._check_capacity(params.n)  # after validation: a bad request is a ValueError, never a full queue
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         try:
             self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                               delta_params, [cid for cid, _ in children], now)
             self._queues[request_id] = queue
-            self._num_seqs[request_id] = params.n
+            if interactive:
+                self._num_seqs[request_id] = params.n
             self.client.add_requests(requests)
         except BaseException:
             self.output_processor.abort(request_id)

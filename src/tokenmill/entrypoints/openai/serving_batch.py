@@ -26,7 +26,8 @@ from tokenmill.entrypoints.openai.openapi import errors
 from tokenmill.entrypoints.openai.request_types import OpenAIRequest
 
 MULTIPART_OVERHEAD = 2**20  # the part headers and boundaries of an upload, beside the file itself
-_WINDOW = re.compile(r"^([1-9][0-9]{0,6})(s|m|h|d)$")
+WINDOW_PATTERN = r"^([1-9][0-9]{0,6})(s|m|h|d)$"
+_WINDOW = re.compile(WINDOW_PATTERN)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 UPLOAD_PURPOSES = ("batch",)
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
@@ -36,7 +37,7 @@ assert set(BatchEndpoint.__args__) == set(BATCH_ENDPOINTS)  # type: ignore[attr-
 class BatchCreateRequest(OpenAIRequest):
     input_file_id: Annotated[str, Field(min_length=1, max_length=128)]
     endpoint: BatchEndpoint
-    completion_window: Annotated[str, Field(min_length=1, max_length=16)] = "24h"
+    completion_window: Annotated[str, Field(pattern=WINDOW_PATTERN)] = "24h"
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = None
 
 
@@ -47,6 +48,12 @@ def completion_window_seconds(window: str) -> int:
         raise bad_request(f"completion_window must be a duration such as 24h (OpenAI's), 1h or 10m; got {window!r}",
                           "completion_window")
     return int(match.group(1)) * _SECONDS[match.group(2)]
+
+
+_UPLOAD_SCHEMA: dict[str, Any] = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary", "description": "JSONL, one request a line"},
+                   "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)}}}}}}}
 
 
 def owner_key(raw: Request, keys_set: bool) -> str:
@@ -117,7 +124,7 @@ def register(app: FastAPI, runner: BatchRunner, config: BatchConfig, api_key: st
     def batch_not_found(batch_id: str) -> APIError:
         return APIError("batch_not_found", f"No such Batch object: {batch_id}")
 
-    @app.post("/v1/files", responses=errors(400, 401, 413))
+    @app.post("/v1/files", responses=errors(400, 401, 413), openapi_extra=_UPLOAD_SCHEMA)
     async def upload_file(raw: Request) -> JSONResponse:
         form = await raw.form(max_files=1, max_fields=8)
         try:
