@@ -28,6 +28,7 @@ DEMO = str(Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo")
 ALICE, BOB = "alice-key", "bob-key"
 MAX_FILE_BYTES = 200_000
 FINAL = ("completed", "failed", "expired", "cancelled")
+REQUEST_TIMEOUT = 2.5  # online requests' limit; a batch line has none (its completion_window bounds it)
 
 
 class Server:
@@ -40,7 +41,7 @@ class Server:
     def _start(self) -> RemoteServer:
         return RemoteServer(DEMO, "--dtype", "float32", "--api-key", ALICE, BOB, "--batch-dir", self.batch_dir,
                             "--max-batch-file-bytes", str(MAX_FILE_BYTES), "--max-num-seqs", "32",
-                            "--served-model-name", "demo")
+                            "--served-model-name", "demo", "--request-timeout", str(REQUEST_TIMEOUT))
 
     def restart(self) -> None:
         self.remote = self._start()
@@ -252,13 +253,13 @@ def long_lines(n: int, short: int = 0) -> list[dict[str, Any]]:
 
 def test_expiry_keeps_the_finished_lines(server: Server) -> None:
     client = server.client()
-    batch = submit(client, long_lines(100, short=5), window="3s")
+    batch = submit(client, long_lines(100, short=5), window="4s")  # longer than --request-timeout
     done = wait(client, batch.id)
     assert done.status == "expired" and done.expired_at and done.completed_at is None
     out, err = records(client, done.output_file_id), records(client, done.error_file_id)
     assert {r["custom_id"] for r in out} >= {f"short-{i}" for i in range(5)}
     assert sorted(r["custom_id"] for r in out + err) == sorted(x["custom_id"] for x in long_lines(100, short=5))
-    assert all(r["error"]["code"] == "batch_expired" for r in err)
+    assert all(r["error"]["code"] == "batch_expired" for r in err)  # none of them timed out (408) first
     counts = done.request_counts
     assert (counts.total, counts.completed + counts.failed, counts.completed) == (105, 105, len(out))
     assert_engine_idle(server)

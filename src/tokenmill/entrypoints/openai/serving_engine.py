@@ -213,7 +213,9 @@ class OpenAIServing:
         task = asyncio.ensure_future(work)
         watcher = asyncio.ensure_future(_wait_disconnect(raw))
         try:
-            done, _ = await asyncio.wait({task, watcher}, timeout=self.ctx.request_timeout,
+            # a batch line waits on interactive traffic; its batch's completion_window bounds it instead
+            timeout = None if BATCH_SCOPE_KEY in raw.scope else self.ctx.request_timeout
+            done, _ = await asyncio.wait({task, watcher}, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
