@@ -34,10 +34,10 @@ def register(subparsers: Any) -> None:
                    help=f"checkpoint directory (default: the demo model, {DEMO_MODEL})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
-    p.add_argument("--api-key", nargs="+", default=os.environ.get("TOKENMILL_API_KEY"), metavar="KEY",
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
-                        "/version (or set TOKENMILL_API_KEY); several keys are several callers, each seeing only "
-                        "its own files and batches")
+                        "/version (or set TOKENMILL_API_KEY); repeat it for several callers, each seeing only its "
+                        "own files and batches")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or template text) "
                    "that replaces the tokenizer's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -123,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     resolve_model_args(args)
+    if args.api_key is None:
+        args.api_key = os.environ.get("TOKENMILL_API_KEY") or None
     if args.num_threads is None:
         args.num_threads = default_num_threads(busy_cpus=API_PROCESS_CPUS)
     if args.async_scheduling is None:
