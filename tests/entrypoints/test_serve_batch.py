@@ -40,7 +40,8 @@ class Server:
 
     def _start(self) -> RemoteServer:
         return RemoteServer(DEMO, "--dtype", "float32", "--api-key", ALICE, "--api-key", BOB,
-                            "--batch-dir", self.batch_dir, "--max-batch-file-bytes", str(MAX_FILE_BYTES), "--max-num-seqs", "32",
+                            "--batch-dir", self.batch_dir, "--max-batch-file-bytes", str(MAX_FILE_BYTES),
+                            "--max-num-seqs", "32",
                             "--served-model-name", "demo", "--request-timeout", str(REQUEST_TIMEOUT))
 
     def restart(self) -> None:
