@@ -16,6 +16,7 @@ SUBCOMMANDS = [
     "tokenmill.entrypoints.cli_serve",
     "tokenmill.entrypoints.cli_run_batch",
     "tokenmill.entrypoints.cli_quantize",
+    "tokenmill.entrypoints.cli_router",
     "tokenmill.bench.cli",
     "tokenmill.bench.plan",
 ]
