@@ -83,12 +83,15 @@ class BatchStore:
     def path_of(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    def add_file(self, owner: str, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
-        file_id = new_id("file-")
+    def add_file(self, owner: str, filename: str, purpose: str, content: bytes,
+                 file_id: str | None = None) -> dict[str, Any]:
+        """A new file (a given `file_id` is replaced if it exists: a batch's result files, written again
+        after a crash)."""
+        file_id = file_id or new_id("file-")
         _write_durably(self.path_of(file_id), content)
         row = (file_id, owner, filename, purpose, len(content), int(time.time()), self._next_seq())
         with self._tx():
-            self.db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            self.db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", row)
         return _file_object(row)
 
     def get_file(self, owner: str, file_id: str) -> dict[str, Any] | None:
@@ -185,7 +188,7 @@ class BatchStore:
     def finish_batch(self, batch_id: str, status: str, unfinished_error: dict[str, Any] | None) -> dict[str, Any]:
         """Writes the output and error files from the finished lines (and, with `unfinished_error`, an
         error line for each line never run, counted as failed) and moves the batch to `status`. Safe
-        to repeat after a crash: files written but not recorded are written again under new ids."""
+        to repeat after a crash: the result files have ids made from the batch's, so they are replaced."""
         owner = self.owner_of(batch_id)
         out_lines: list[str] = []
         err_lines: list[str] = []
@@ -202,8 +205,9 @@ class BatchStore:
         ids: dict[str, Any] = {}
         for key, lines in (("output_file_id", out_lines), ("error_file_id", err_lines)):
             if lines:
-                name = f"{batch_id}_{key.split('_')[0]}.jsonl"
-                ids[key] = self.add_file(owner, name, "batch_output", ("\n".join(lines) + "\n").encode())["id"]
+                kind = key.split("_")[0]
+                ids[key] = self.add_file(owner, f"{batch_id}_{kind}.jsonl", "batch_output",
+                                         ("\n".join(lines) + "\n").encode(), f"file-{kind}-{batch_id}")["id"]
         batch = self.set_status(batch_id, status, add_failed=unfinished, **ids)
         assert batch is not None
         return batch
