@@ -134,6 +134,13 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
+def padded_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """int32 [len(tables), width] (default: the longest table's): block tables right-padded with block 0,
+    which no kernel reads past a sequence's length."""
+    width = max((len(t) for t in tables), default=0) if width is None else width
+    return torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32)
+
+
 def gather_context(cache: torch.Tensor, block_ids: list[int], length: int) -> torch.Tensor:
     """[length, Hk, D]: the first `length` cached positions of a sequence (a copy)."""
     n_blocks = -(-length // cache.shape[1])

@@ -11,16 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, KVScales
+from tokenmill.attention.backend import AttentionMetadata, KVScales, padded_tables
 from tokenmill.attention.kv_quant import write_kv_quantized
 from tokenmill.kernels.triton import paged_attention as pa
 from tokenmill.kv_cache_spec import QUANTIZED_KV_DTYPES
-
-
-def padded_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
-    """int32 [len(tables), width]: block tables right-padded with block 0 (never read past a length)."""
-    width = max((len(t) for t in tables), default=0) if width is None else width
-    return torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32)
 
 
 class TritonBackend:

@@ -1,0 +1,104 @@
+"""CUDA graphs for pure-decode steps (vLLM's decode CUDA graphs; `--enforce-eager` turns them off).
+
+A decode step of n sequences is padded to the next capture size (1, 2, 4, then multiples of 8 up to
+max_num_seqs) and replayed from a graph captured, the first time that size is run, over persistent
+input buffers: token ids, positions, slots, block tables (as wide as max_model_len needs) and context
+lengths. Padded rows have slot -1 (the Triton store writes nothing) and length 0 (they attend to nothing),
+so they touch no request's cache. Prefill and mixed steps run eagerly.
+
+Only the Triton backend's decode path reads nothing but those tensors and shapes, so graphs are made only
+for it, and only for models whose forward has no data-dependent host work (no mixture-of-experts routing,
+no MLA) and a float KV cache (the quantized store is torch's, which has no skipped slots)."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, padded_tables
+from tokenmill.layers.attention import attention_layers
+from tokenmill.layers.mla import MLAAttention
+from tokenmill.layers.moe import SparseMoeBlock
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes graphs are captured for: 1, 2, 4, then multiples of 8, and max_num_seqs."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+def padded_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest capture size that holds n rows; None past the largest."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def graphable(model: nn.Module, backend: AttentionBackend) -> bool:
+    """Whether a decode step of this model and backend can be captured (see the module's docstring)."""
+    if backend.name != "triton":
+        return False
+    if any(isinstance(m, (SparseMoeBlock, MLAAttention)) for m in model.modules()):
+        return False
+    return all(layer.kv_scales is None for layer in attention_layers(model).values())
+
+
+class DecodeGraphs:
+    def __init__(self, model: Any, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.sizes = capture_sizes(max_num_seqs)
+        self.block_size = block_size
+        self.width = -(-max_model_len // block_size)
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: Any = None  # one memory pool shared by every size's graph
+
+    def applies(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return meta.num_decodes == meta.num_seqs == num_tokens and padded_size(num_tokens, self.sizes) is not None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's hidden states [n, hidden], from the graph of its padded size (captured if new);
+        valid until the next replay."""
+        n = input_ids.shape[0]
+        size = padded_size(n, self.sizes)
+        assert size is not None
+        self._fill(n, size, input_ids, positions, meta)
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]
+
+    def _fill(self, n: int, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.tables[:n].copy_(padded_tables(meta.block_tables, self.width), non_blocking=True)
+        self.lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32), non_blocking=True)
+        self.positions[n:size].zero_()
+        self.slots[n:size].fill_(-1)
+        self.lens[n:size].zero_()
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        meta = AttentionMetadata(slot_mapping=self.slots[:size], query_start_loc=list(range(size + 1)),
+                                 seq_lens=[0] * size, block_tables=[[] for _ in range(size)], num_decodes=size,
+                                 block_size=self.block_size)
+        meta.extra["decode_tables"] = self.tables[:size]
+        meta.extra["decode_lens"] = self.lens[:size]
+        # once eagerly (Triton compiles its kernels; the real rows' K/V are written as the replay writes them)
+        self.model(self.input_ids[:size], self.positions[:size], meta, None)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.model(self.input_ids[:size], self.positions[:size], meta, None)
+        self.pool = graph.pool()
+        return graph, hidden
