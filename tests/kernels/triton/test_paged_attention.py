@@ -12,7 +12,6 @@ import torch
 
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata, KVScales
-from tokenmill.attention.kv_quant import write_kv_quantized
 from tokenmill.kernels.triton import paged_attention as pa
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,9 +68,8 @@ def attend(backend: str, meta: AttentionMetadata, q: torch.Tensor, kc: torch.Ten
     return out.float().cpu()
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (8, 1)])
-@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("block_size,hq,hk,window", [(16, 4, 4, None), (32, 4, 4, 12), (16, 8, 2, 12),
+                                                     (32, 8, 2, None), (16, 8, 1, None), (32, 8, 1, 12)])
 def test_matches_reference(block_size: int, hq: int, hk: int, window: int | None) -> None:
     meta, q, keys, values = random_step(block_size + hq + hk, block_size, hq, hk, torch.float32, window)
     kc, vc, _ = caches(meta, keys, values, torch.float32, "triton")
@@ -99,7 +97,7 @@ def test_quantized_cache_matches_reference(qdtype: torch.dtype) -> None:
     torch.testing.assert_close(attend("triton", meta, q, kc, vc, scales), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("splits", [1, 8])
 def test_decode_splits_combine_to_one_softmax(splits: int) -> None:
     # any split of the context gives the same output; a row of length 0 (a padded CUDA-graph row) gives 0
     meta, q, keys, values = random_step(7, 16, 8, 2, torch.float32, None)

@@ -94,12 +94,12 @@ def _pv(p, v, q_dtype, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-        q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
         scale, softcap, window, num_splits,
-        stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_tb,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_tb,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
-        WINDOW: tl.constexpr, DOT_F32: tl.constexpr):
+        WINDOW: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -141,11 +141,15 @@ def _decode_split_kernel(
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), NEG)
-    row = (b * num_q_heads + heads) * num_splits + split
-    h_mask = hg < GROUP
-    tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=h_mask[:, None])
-    tl.store(part_lse_ptr + row, lse, mask=h_mask)
+    if DIRECT:  # one split: the output itself
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=q_mask)
+    else:
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), NEG)
+        row = (b * num_q_heads + heads) * num_splits + split
+        h_mask = hg < GROUP
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=h_mask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=h_mask)
 
 
 @triton.jit
@@ -187,23 +191,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_d = max(16, triton.next_power_of_2(dim))
     if num_splits is None:
         num_splits = decode_splits(batch, hk, tables.shape[1] * k_cache.shape[1], tile_n)
-    part_out = torch.empty(batch * hq * num_splits, block_d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch * hq * num_splits, dtype=torch.float32, device=q.device)
+    direct = num_splits == 1
+    part_out = torch.empty(0 if direct else batch * hq * num_splits, block_d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(0 if direct else batch * hq * num_splits, dtype=torch.float32, device=q.device)
     quant = k_scales is not None
-    ks = k_scales if k_scales is not None else lens  # (unread without QUANT)
-    vs = v_scales if v_scales is not None else lens
-    stride_sb, stride_ss = (k_scales.stride(0), k_scales.stride(1)) if k_scales is not None else (0, 0)
+    ks, vs, stride_sb, stride_ss = _scale_args(k_scales, v_scales, lens)
     _decode_split_kernel[(batch, hk, num_splits)](
-        q, k_cache, v_cache, ks, vs, tables, lens, part_out, part_lse,
+        q, k_cache, v_cache, ks, vs, tables, lens, part_out, part_lse, out,
         scale, softcap or 1.0, window or 0, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_ss,
-        tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), stride_sb, stride_ss, tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, QUANT=quant, SOFTCAP=softcap is not None,
-        WINDOW=window is not None, DOT_F32=_dot_f32(q))
-    _decode_reduce_kernel[(batch, hq)](part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-                                       HEAD_DIM=dim, BLOCK_D=block_d,
-                                       BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
+        WINDOW=window is not None, DOT_F32=_dot_f32(q), DIRECT=direct)
+    if not direct:
+        _decode_reduce_kernel[(batch, hq)](part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+                                           HEAD_DIM=dim, BLOCK_D=block_d,
+                                           BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
 
 
 @triton.jit
@@ -296,9 +300,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hk = k_cache.shape[2]
     group = hq // hk
     quant = k_scales is not None
-    ks = k_scales if k_scales is not None else lens
-    vs = v_scales if v_scales is not None else lens
-    stride_sb, stride_ss = (k_scales.stride(0), k_scales.stride(1)) if k_scales is not None else (0, 0)
+    ks, vs, stride_sb, stride_ss = _scale_args(k_scales, v_scales, lens)
     _prefill_kernel[(tile_seq.numel(), hk)](
         q, k_cache, v_cache, ks, vs, tables, lens, starts, tile_seq, tile_q0, out,
         scale, softcap or 1.0, window or 0,
@@ -307,6 +309,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, G_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, HEAD_DIM=dim,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, QUANT=quant,
         SOFTCAP=softcap is not None, WINDOW=window is not None, DOT_F32=_dot_f32(q))
+
+
+def _scale_args(k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, unread: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The scale tensors and their block and slot strides; without scales, a placeholder no kernel reads."""
+    if k_scales is None or v_scales is None:
+        return unread, unread, 0, 0
+    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1)
 
 
 def _dot_f32(q: torch.Tensor) -> bool:
