@@ -61,3 +61,36 @@ def test_enforce_eager_flag_and_triton_needs_a_gpu(llama_dir: str, monkeypatch: 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="runs on a CUDA GPU"):
         EngineArgs(model=llama_dir, device="cpu", attention_backend="triton").create_engine_config()
+
+
+class EagerReplay:
+    """A stand-in for a captured graph on the CPU: replay() reruns the padded forward into the same output."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+        self.hidden = graphs.forward(size)
+
+    def replay(self) -> None:
+        self.hidden.copy_(self.graphs.forward(self.size))
+
+
+class CpuDecodeGraphs(DecodeGraphs):
+    def _capture(self, size: int) -> tuple[EagerReplay, torch.Tensor]:
+        graph = EagerReplay(self, size)
+        return graph, graph.hidden
+
+
+def test_padded_graph_inputs_give_golden_tokens(model_dirs: dict[str, str]) -> None:
+    # every decode step through the graphs' persistent buffers, padded to 1, 2 or 4 rows, with the triton
+    # backend (the interpreter here): greedy tokens still equal transformers'
+    from tests.models.test_golden import PROMPTS, expected, run
+    from tokenmill import LLM
+
+    model_dir = model_dirs["llama-gqa4-untied"]
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", block_size=16,
+              max_num_seqs=4)
+    runner = llm.engine.core.executor.worker.model_runner
+    runner.graphs = CpuDecodeGraphs(runner.model, 4, 128, 16, torch.device("cpu"))
+    prompts, max_tokens = PROMPTS[:3], [5, 3, 4]
+    assert run(llm, prompts, max_tokens) == expected(model_dir, prompts, max_tokens)
+    assert sorted(runner.graphs.graphs) == [1, 2, 4]  # 3 rows padded to 4, then 2, then 1

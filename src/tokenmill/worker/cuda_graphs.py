@@ -58,7 +58,7 @@ class DecodeGraphs:
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self.lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.pool: Any = None  # one memory pool shared by every size's graph
 
     def applies(self, meta: AttentionMetadata, num_tokens: int) -> bool:
@@ -88,17 +88,23 @@ class DecodeGraphs:
         self.slots[n:size].fill_(-1)
         self.lens[n:size].zero_()
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the persistent buffers, as a graph records it: the
+        attention metadata holds only those buffers (its host lists are placeholders nothing reads)."""
         meta = AttentionMetadata(slot_mapping=self.slots[:size], query_start_loc=list(range(size + 1)),
                                  seq_lens=[0] * size, block_tables=[[] for _ in range(size)], num_decodes=size,
                                  block_size=self.block_size)
         meta.extra["decode_tables"] = self.tables[:size]
         meta.extra["decode_lens"] = self.lens[:size]
-        # once eagerly (Triton compiles its kernels; the real rows' K/V are written as the replay writes them)
-        self.model(self.input_ids[:size], self.positions[:size], meta, None)
+        hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], meta, None)
+        return hidden
+
+    def _capture(self, size: int) -> tuple[Any, torch.Tensor]:
+        """(graph, its output) for this size; anything with replay() that refreshes the output will do."""
+        self.forward(size)  # once eagerly: Triton compiles; the real rows' K/V are written as the replay writes them
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(self.input_ids[:size], self.positions[:size], meta, None)
+            hidden = self.forward(size)
         self.pool = graph.pool()
         return graph, hidden
