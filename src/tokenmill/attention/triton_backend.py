@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, KVScales, padded_tables
+from tokenmill.attention.backend import AttentionMetadata, KVScales, padded_tables, to_device
 from tokenmill.attention.kv_quant import write_kv_quantized
 from tokenmill.kernels.triton import paged_attention as pa
 from tokenmill.kv_cache_spec import QUANTIZED_KV_DTYPES
@@ -27,12 +27,12 @@ class TritonBackend:
         if d:
             # the table is as wide as the longest context's blocks: its width sets the decode splits
             width = -(-max(meta.seq_lens[:d]) // meta.block_size)
-            meta.extra["decode_tables"] = padded_tables(meta.block_tables[:d], width).to(device)
-            meta.extra["decode_lens"] = torch.tensor(meta.seq_lens[:d], dtype=torch.int32).to(device)
+            meta.extra["decode_tables"] = to_device(padded_tables(meta.block_tables[:d], width), device)
+            meta.extra["decode_lens"] = to_device(torch.tensor(meta.seq_lens[:d], dtype=torch.int32), device)
         if meta.num_seqs > d:
-            meta.extra["prefill_tables"] = padded_tables(meta.block_tables[d:]).to(device)
-            meta.extra["prefill_lens"] = torch.tensor(meta.seq_lens[d:], dtype=torch.int32).to(device)
-            meta.extra["prefill_starts"] = torch.tensor(meta.query_start_loc[d:], dtype=torch.int32).to(device)
+            meta.extra["prefill_tables"] = to_device(padded_tables(meta.block_tables[d:]), device)
+            meta.extra["prefill_lens"] = to_device(torch.tensor(meta.seq_lens[d:], dtype=torch.int32), device)
+            meta.extra["prefill_starts"] = to_device(torch.tensor(meta.query_start_loc[d:], dtype=torch.int32), device)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
@@ -65,6 +65,6 @@ class TritonBackend:
         key = f"prefill_tiles_{block_q}"
         if key not in meta.extra:
             seqs, q0s = pa.prefill_tiles(meta.query_start_loc, meta.num_decodes, block_q)
-            meta.extra[key] = torch.tensor([seqs, q0s], dtype=torch.int32).to(device)
+            meta.extra[key] = to_device(torch.tensor([seqs, q0s], dtype=torch.int32), device)
         tiles = meta.extra[key]
         return tiles[0], tiles[1]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, padded_tables
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, padded_tables, to_device
 from tokenmill.layers.attention import attention_layers
 from tokenmill.layers.mla import MLAAttention
 from tokenmill.layers.moe import SparseMoeBlock
@@ -82,8 +82,8 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)
-        self.tables[:n].copy_(padded_tables(meta.block_tables, self.width), non_blocking=True)
-        self.lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32), non_blocking=True)
+        self.tables[:n].copy_(to_device(padded_tables(meta.block_tables, self.width), self.tables.device))
+        self.lens[:n].copy_(to_device(torch.tensor(meta.seq_lens, dtype=torch.int32), self.lens.device))
         self.positions[n:size].zero_()
         self.slots[n:size].fill_(-1)
         self.lens[n:size].zero_()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, output_rows
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, output_rows, to_device
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -97,7 +97,7 @@ class ModelRunner:
             if step.sample_drafts and (q := getattr(self.proposer, "draft_probs", None)):
                 sampling.draft_probs = draft_probs_of(step.sample_req_ids, step.sample_drafts, q)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
+            slot_mapping=to_device(torch.from_numpy(step.slot_mapping), self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
             num_decodes=step.num_decodes, block_size=self.block_size)
         self.backend.prepare(meta, self.device)
@@ -127,8 +127,8 @@ class ModelRunner:
     def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None,
                  sampling: SamplingMetadata | None) -> ModelRunnerOutput:
         step.fill_pending_inputs()
-        input_ids = torch.from_numpy(step.input_ids).to(self.device)
-        positions = torch.from_numpy(step.positions).to(self.device)
+        input_ids = to_device(torch.from_numpy(step.input_ids), self.device)
+        positions = to_device(torch.from_numpy(step.positions), self.device)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
         states = step.sample_states
         greedy = sampling is not None and sampling.all_plain_greedy  # (and then no bitmask)
