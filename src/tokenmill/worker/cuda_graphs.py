@@ -1,9 +1,9 @@
 """CUDA graphs for pure-decode steps (vLLM's decode CUDA graphs; `--enforce-eager` turns them off).
 
 A decode step of n sequences is padded to the next capture size (1, 2, 4, then multiples of 8 up to
-max_num_seqs) and replayed from a graph captured, the first time that size is run, over persistent
-input buffers: token ids, positions, slots, block tables (as wide as max_model_len needs) and context
-lengths. Padded rows have slot -1 (the Triton store writes nothing) and length 0 (they attend to nothing),
+max_num_seqs) and replayed from a graph captured at start-up (every size, largest first, with every row
+padded, before any step runs and so before another thread uses the GPU) over persistent input buffers:
+token ids, positions, slots, block tables (as wide as max_model_len needs) and context lengths. Padded rows have slot -1 (the Triton store writes nothing) and length 0 (they attend to nothing),
 so they touch no request's cache. Prefill and mixed steps run eagerly.
 
 Only the Triton backend's decode path reads nothing but those tensors and shapes, so graphs are made only
@@ -61,6 +61,11 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.pool: Any = None  # one memory pool shared by every size's graph
 
+    def capture_all(self) -> None:
+        """Every size's graph, over buffers whose rows are all padding (nothing is written or read)."""
+        for size in reversed(self.sizes):
+            self.graphs[size] = self._capture(size)
+
     def applies(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.num_decodes == meta.num_seqs == num_tokens and padded_size(num_tokens, self.sizes) is not None
 
@@ -71,7 +76,7 @@ class DecodeGraphs:
         size = padded_size(n, self.sizes)
         assert size is not None
         self._fill(n, size, input_ids, positions, meta)
-        if size not in self.graphs:
+        if size not in self.graphs:  # (capture_all captures every size first)
             self.graphs[size] = self._capture(size)
         graph, hidden = self.graphs[size]
         graph.replay()
@@ -101,7 +106,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> tuple[Any, torch.Tensor]:
         """(graph, its output) for this size; anything with replay() that refreshes the output will do."""
-        self.forward(size)  # once eagerly: Triton compiles; the real rows' K/V are written as the replay writes them
+        self.forward(size)  # once eagerly: Triton compiles its kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

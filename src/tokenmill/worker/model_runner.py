@@ -61,6 +61,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.device.enforce_eager and graphable(model, backend):
             self.graphs = DecodeGraphs(model, config.scheduler.max_num_seqs, config.scheduler.max_model_len,
                                        self.block_size, self.device)
+            with torch.inference_mode():
+                self.graphs.capture_all()
         # only the sampled rows through the last layer's attention output and MLP (OutputRows);
         # False runs every row through it, the reference path the tests compare with
         self.output_rows_only = True

@@ -23,9 +23,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, eps, stride_x, stride_r, st
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     mask = i < H
-    x = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0)
-    dtype = x.dtype
-    h = x.to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    h = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL:
         summed = (h + tl.load(res_ptr + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(res_ptr + row * stride_r + i, summed, mask=mask)
@@ -45,9 +44,8 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_
     j = tl.arange(0, BLOCK_HALF)
     mask = (h[:, None] < HEADS) & (j[None, :] < HALF)
     lo_ptr = x_ptr + t * stride_t + h[:, None] * stride_h + j[None, :]
-    a = tl.load(lo_ptr, mask=mask, other=0.0)
-    dtype = a.dtype
-    a = a.to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    a = tl.load(lo_ptr, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(lo_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     c_lo = tl.load(cos_ptr + p * stride_c + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     c_hi = tl.load(cos_ptr + p * stride_c + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
@@ -64,9 +62,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
-    g = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0)
-    dtype = g.dtype
-    g = g.to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + INTER + i, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + i, (silu * u).to(dtype), mask=mask)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from tokenmill.kernels.triton.common import interpreting
 
-NEG = -1.0e30  # the running max's start: finite, so that a row that sees nothing stays 0, not NaN
+NEG = tl.constexpr(-1.0e30)  # the running max's start: finite, so that a row that sees nothing stays 0, not NaN
 
 
 @triton.jit
@@ -86,10 +86,10 @@ def _scores(q, k, scale, softcap, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _pv(p, v, q_dtype, DOT_F32: tl.constexpr):
+def _pv(p, v, q, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(p, v, input_precision="ieee")
-    return tl.dot(p.to(q_dtype), v.to(q_dtype))
+    return tl.dot(p.to(q.dtype), v.to(q.dtype))
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def _decode_split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _pv(p, v, q.dtype, DOT_F32)
+        acc = acc * alpha[:, None] + _pv(p, v, q, DOT_F32)
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -263,7 +263,7 @@ def _prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _pv(p, v, q.dtype, DOT_F32)
+        acc = acc * alpha[:, None] + _pv(p, v, q, DOT_F32)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
