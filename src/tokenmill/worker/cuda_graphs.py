@@ -3,8 +3,9 @@
 A decode step of n sequences is padded to the next capture size (1, 2, 4, then multiples of 8 up to
 max_num_seqs) and replayed from a graph captured at start-up (every size, largest first, with every row
 padded, before any step runs and so before another thread uses the GPU) over persistent input buffers:
-token ids, positions, slots, block tables (as wide as max_model_len needs) and context lengths. Padded rows have slot -1 (the Triton store writes nothing) and length 0 (they attend to nothing),
-so they touch no request's cache. Prefill and mixed steps run eagerly.
+token ids, positions, slots, block tables (as wide as max_model_len needs) and context lengths. Padded
+rows have slot -1 (the Triton store writes nothing) and length 0 (they attend to nothing), so they touch
+no request's cache. Prefill and mixed steps run eagerly.
 
 Only the Triton backend's decode path reads nothing but those tensors and shapes, so graphs are made only
 for it, and only for models whose forward has no data-dependent host work (no mixture-of-experts routing,
