@@ -79,8 +79,8 @@ def test_matches_reference(block_size: int, hq: int, hk: int, window: int | None
     torch.testing.assert_close(attend("triton", meta, q, kc, vc, None), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 12])
-def test_soft_capped_bf16_matches_reference(window: int | None) -> None:
+def test_soft_capped_bf16_matches_reference() -> None:
+    window = 12
     meta, q, keys, values = random_step(5, 16, 8, 2, torch.bfloat16, window, softcap=2.0)
     kc, vc, _ = caches(meta, keys, values, torch.bfloat16, "triton")
     want = attend("torch_ref", meta, q, kc, vc, None)
