@@ -27,41 +27,52 @@ import torch
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU only to try the script on a tiny model)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
 
 def hf(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(DEVICE).eval()
     reqs = random_workload(args.num_prompts, args.input_len, args.output_len, 10, model.config.vocab_size,
                            0, 0)
     useful = sum(r.max_tokens for r in reqs)
 
     def run(batch: list[Any], cap: int | None = None) -> None:
-        longest = max(len(r.prompt_token_ids) for r in batch)
+        longest = max(len(r.prompt_token_ids or []) for r in batch)
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(batch):  # left padding
-            ids[i, longest - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[i, longest - len(r.prompt_token_ids):] = 1
+            ids[i, longest - len(r.prompt_token_ids or []):] = torch.tensor(r.prompt_token_ids or [])
+            mask[i, longest - len(r.prompt_token_ids or []):] = 1
         new = cap or max(r.max_tokens for r in batch)
-        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0)
+        model.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
 
     per_batch = {}
     with torch.inference_mode():
         run(reqs[:8], cap=4)
         for bs in (int(b) for b in args.batch_sizes.split(",")):
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             for i in range(0, len(reqs), bs):
                 run(reqs[i:i + bs])
-            torch.cuda.synchronize()
+            sync()
             wall = time.perf_counter() - t
             per_batch[bs] = {"wall_s": round(wall, 3), "output_tok_s": round(useful / wall, 1)}
     best = max(per_batch, key=lambda b: per_batch[b]["output_tok_s"])
     return {"engine": "hf-generate", "model": args.model, "requests": len(reqs), "output_tokens": useful,
             "per_batch_size": per_batch, "best_batch_size": best, **per_batch[best],
-            "gpu": torch.cuda.get_device_name()}
+            "device": device_name()}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
 
 
 def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
@@ -72,15 +83,16 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
 
     llm = LLM(model=args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
     prompts = [{"prompt_token_ids": r.prompt_token_ids}
-               for r in random_workload(args.batch, "128", "1", 10, 32000, 1, 0)]
+               for r in random_workload(args.batch, "128", "1", 10, llm.engine.config.model.arch.vocab_size, 1, 0)]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles kernels, captures graphs
     llm.engine.reset_prefix_cache()
     steps0 = llm.engine.stats.num_steps
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         wall_us = (time.perf_counter() - t) * 1e6
     steps = llm.engine.stats.num_steps - steps0
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -98,7 +110,7 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
             "gpu_idle_ms_per_step": round((wall_us - busy) / steps / 1e3, 3),
             "gpu_busy_fraction": round(busy / wall_us, 3),
             "median_kernel_us": round(statistics.median(e - s for s, e in kernels), 2) if kernels else None,
-            "gpu": torch.cuda.get_device_name()}
+            "device": device_name()}
 
 
 def main(argv: list[str]) -> int:

@@ -61,7 +61,7 @@ read -r COPY FLOPS < <("$PY" -c "import json
 r = [json.loads(x) for x in open('$RESULTS') if '\"roofline\"' in x][-1]
 print(r['mem_copy_GBps'], r['matmul_bf16_gflops'])")
 echo "copy_GBps=$COPY bf16_gflops=$FLOPS" | tee -a "$SUMMARY"
-BENCH=(--model "$MODEL" --bandwidth "$COPY" --flops "$FLOPS" --device cuda --dtype bfloat16)
+BENCH=(--model "$MODEL" --bandwidth "$COPY" --flops "$FLOPS" --device cuda --dtype bfloat16 --kv-cache-memory 16GiB)
 
 step latency_b1_triton 45 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 256 \
     --runs 3 $(result latency_b1_triton)
@@ -78,6 +78,6 @@ step prefill_8k 45 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 8 --input
     --runs 3 --max-num-batched-tokens 8192 $(result prefill_8k)
 
 step step_split_sdpa_eager 45 sh -c "'$PY' tools/gpu_bench.py profile --attention-backend cuda --enforce-eager \
-    --dtype bfloat16 '$MODEL' >> '$RESULTS'"
-step step_split_triton 45 sh -c "'$PY' tools/gpu_bench.py profile --dtype bfloat16 '$MODEL' >> '$RESULTS'"
+    --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS'"
+step step_split_triton 45 sh -c "'$PY' tools/gpu_bench.py profile --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS'"
 echo "done in ${SECONDS}s" | tee -a "$SUMMARY"
