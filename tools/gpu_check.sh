@@ -50,7 +50,7 @@ result() {  # result NAME: the options that make a bench command append its JSON
 print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' \
     | tee -a "$SUMMARY" || exit 1
 
-step pytest 150 "$PY" -m pytest -q -x -p no:cacheprovider --junitxml="$OUT/junit.xml" \
+step pytest 150 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit.xml" \
     tests/kernels/triton tests/worker/test_cuda_graphs.py tests/attention/test_backends.py \
     tests/models/test_golden.py::test_cuda_triton tests/models/test_golden.py::test_triton_backend
 

@@ -19,12 +19,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 F32 = "fp32"
 
 
-def compile_one(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any]) -> bool:
+def compile_one(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int = 4) -> bool:
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()})
-        triton.compile(src, target=TARGET)
+        triton.compile(src, target=TARGET, options={"num_warps": num_warps})
     except Exception as e:  # the compiler's message is the point
         print(f"FAIL {name}: {type(e).__name__}: {e}")
         return False
@@ -40,7 +40,7 @@ def attention(dt: str, cache_dt: str, features: bool, direct: bool = False) -> l
                   SOFTCAP=features, WINDOW=features, DOT_F32=dt == "fp32")
     tag = f"{dt}/{cache_dt}{' window softcap' if features else ''}"
     return [compile_one(f"decode {tag}", pa._decode_split_kernel, types, dict(common, BLOCK_H=16, DIRECT=direct)),
-            compile_one(f"prefill {tag}", pa._prefill_kernel, types, dict(common, G_PAD=8, BLOCK_Q=16))]
+            compile_one(f"prefill {tag}", pa._prefill_kernel, types, dict(common, G_PAD=8, BLOCK_Q=16), num_warps=8)]
 
 
 def main() -> int:

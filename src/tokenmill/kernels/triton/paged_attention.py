@@ -308,7 +308,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(2), stride_sb, stride_ss, tables.stride(0),
         GROUP=group, G_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, HEAD_DIM=dim,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, QUANT=quant,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, DOT_F32=_dot_f32(q))
+        SOFTCAP=softcap is not None, WINDOW=window is not None, DOT_F32=_dot_f32(q),
+        num_warps=8 if block_q * triton.next_power_of_2(group) >= 128 else 4)  # 128-row tiles: 8 warps hold them
 
 
 def _scale_args(k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, unread: torch.Tensor,
