@@ -113,5 +113,7 @@ def test_cuda_triton(model_dirs: dict[str, str], name: str, enforce_eager: bool)
     assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
     check_prefix_hits(llm, model_dir)
     runner = llm.engine.core.executor.worker.model_runner
-    if not enforce_eager and runner.graphs is not None:
-        assert runner.graphs.graphs  # the decode steps replayed graphs
+    if enforce_eager:
+        assert runner.graphs is None
+    elif runner.graphs is not None:  # (None for MoE and MLA models, which decode eagerly)
+        assert runner.graphs.replays > 0

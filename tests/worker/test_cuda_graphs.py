@@ -94,3 +94,4 @@ def test_padded_graph_inputs_give_golden_tokens(model_dirs: dict[str, str]) -> N
     prompts, max_tokens = PROMPTS[:3], [5, 3, 4]
     assert run(llm, prompts, max_tokens) == expected(model_dir, prompts, max_tokens)
     assert sorted(runner.graphs.graphs) == [1, 2, 4]  # 3 rows padded to 4, then 2, then 1
+    assert runner.graphs.replays >= 3

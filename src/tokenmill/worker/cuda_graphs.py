@@ -61,6 +61,7 @@ class DecodeGraphs:
         self.lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.pool: Any = None  # one memory pool shared by every size's graph
+        self.replays = 0  # decode steps run from a graph
 
     def capture_all(self) -> None:
         """Every size's graph, over buffers whose rows are all padding (nothing is written or read)."""
@@ -81,6 +82,7 @@ class DecodeGraphs:
             self.graphs[size] = self._capture(size)
         graph, hidden = self.graphs[size]
         graph.replay()
+        self.replays += 1
         return hidden[:n]
 
     def _fill(self, n: int, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
