@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import logging
 import os
@@ -253,7 +254,10 @@ class EngineArgs:
         kv_storage_dtype(self.kv_cache_dtype, dtype)  # refuses an unknown choice
         backend = self.attention_backend
         if backend == "auto":
-            backend = "triton" if device == "cuda" else ("cpu" if self.cpu_kernels else "sdpa")
+            if device == "cuda":  # Triton's kernels where triton is installed, else batched SDPA
+                backend = "triton" if importlib.util.find_spec("triton") is not None else "cuda"
+            else:
+                backend = "cpu" if self.cpu_kernels else "sdpa"
         from tokenmill.attention import available_backends
 
         if backend not in available_backends():
