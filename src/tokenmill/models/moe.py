@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 from torch import nn
 
 from tokenmill.arch import ArchConfig
-from tokenmill.layers.moe import SparseMoeBlock
-from tokenmill.models.interface import DecoderLayout, ModelOptions
+from tokenmill.layers.moe import ExpertMLP, SparseMoeBlock
+from tokenmill.models.interface import DecoderLayerWeights, ModelOptions, RoutedExperts
 from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM
 
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
@@ -73,6 +74,18 @@ class MoEForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(expert_checkpoint_names(weights))
 
-    def decoder_layout(self) -> DecoderLayout | None:
-        """None: the fused C++ decode path runs dense MLPs only."""
-        return None
+    def describe_mlp(self, mlp: nn.Module, weights: DecoderLayerWeights) -> bool:
+        """Dense layers as the Llama family's; a sparse block whose routing the fused decode kernel runs
+        (softmax scores, greedy top-k, no shared expert, the fused grouped-by-expert path on) as
+        `RoutedExperts`."""
+        if not isinstance(mlp, SparseMoeBlock):
+            return super().describe_mlp(mlp, weights)
+        moe = mlp.cfg
+        if (not mlp.fused or mlp.shared_expert is not None or moe.scoring != "softmax"
+                or moe.topk_method != "greedy" or mlp.gate.e_score_correction_bias is not None):
+            return False
+        experts = cast(list[ExpertMLP], list(mlp.experts))
+        weights.experts = RoutedExperts(mlp.gate.weight, [e.gate_up_proj for e in experts],
+                                        [e.down_proj for e in experts], moe.top_k, moe.norm_topk_prob,
+                                        moe.routed_scaling_factor)
+        return True
