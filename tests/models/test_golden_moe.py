@@ -82,12 +82,20 @@ def test_fused_expert_layout_loads(model_dirs: dict[str, str], tmp_path: os.Path
     assert run(llm, PROMPTS[:2], MAX_TOKENS[:2]) == expected(src, PROMPTS[:2], MAX_TOKENS[:2])
 
 
-def test_missing_expert_tensor_is_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+@pytest.mark.parametrize(("name", "tensor", "named"), [
+    ("mixtral-8x-top2", "model.layers.1.block_sparse_moe.experts.5.w3.weight",
+     r"layers\.1\.mlp\.experts\.5\.gate_up_proj\.weight\[1\]"),
+    ("deepseek-v2-mla", "model.layers.1.self_attn.kv_b_proj.weight", r"layers\.1\.self_attn\.kv_b_proj\.weight"),
+    ("deepseek-v3-mla", "model.layers.2.mlp.gate.e_score_correction_bias",
+     r"layers\.2\.mlp\.gate\.e_score_correction_bias"),
+])
+def test_missing_tensor_is_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str], name: str, tensor: str,
+                                 named: str) -> None:
     from safetensors.torch import load_file
 
-    src = model_dirs["mixtral-8x-top2"]
+    src = model_dirs[name]
     tensors = load_file(os.path.join(src, "model.safetensors"))
-    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    del tensors[tensor]
     dst = os.path.join(tmp_path, "broken")
     os.makedirs(dst)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
@@ -95,7 +103,7 @@ def test_missing_expert_tensor_is_named(model_dirs: dict[str, str], tmp_path: os
         cfg = json.load(f)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.5\.gate_up_proj\.weight\[1\]"):
+    with pytest.raises(ValueError, match=named):
         LLM(dst, dtype="float32", kv_cache_memory="4MiB", skip_tokenizer_init=True)
 
 
