@@ -1,7 +1,9 @@
 """Mixture-of-experts decoders on the Llama decoder: Mixtral, Qwen2-MoE (shared expert with a sigmoid
 gate, qkv bias) and Qwen3-MoE (q/k RMSNorm). Attention, norms, rotary and loading are the Llama
 family's; each sparse layer's MLP is a `layers.moe.SparseMoeBlock` (ArchConfig.moe says which layers
-are sparse and how they route), the other layers keep the dense MLP.
+are sparse and how they route), the other layers keep the dense MLP. A model whose sparse blocks
+route by softmax and greedy top-k with no shared expert (Mixtral) describes them to the fused decode
+path (`describe_mlp`); the others keep the layer loop for decode.
 
 Checkpoint layouts: per-expert tensors (`mlp.experts.N.gate_proj/up_proj/down_proj`, Mixtral's
 `block_sparse_moe.experts.N.w1/w3/w2` and `block_sparse_moe.gate`) and transformers 5's fused
