@@ -66,6 +66,15 @@ const Ops& ops() {
   return instance;
 }
 
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }  // round to nearest even, as at::to
+
 constexpr int64_t PER_LAYER = 7;  // input norm, qkv, qkv bias (empty: none), o, post norm, gate_up, down
                                   // (gate_up and down empty: a sparse layer, its MLP the routed experts)
 
@@ -82,10 +91,17 @@ struct Routing {
 // the (row, expert) pairs sorted by expert; each chosen expert runs once over its rows (experts nobody
 // chose are not read) and its weighted output is added into its rows, experts in ascending order.
 // ew: router [E, hidden] float32, E gate_up and E down weights; ep: their 2E GEMV addresses (or null)
+at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tensor& scores, const at::Tensor* ew,
+                              const int64_t* ep, const Routing& r, bool gemv);
+
 at::Tensor routed_experts(const Ops& op, const at::Tensor& x, const at::Tensor* ew, const int64_t* ep,
                           const Routing& r, bool gemv) {
   const int64_t e_count = r.num_experts, k = r.top_k;
-  auto [weights, ids] = at::topk(at::linear(x.to(at::kFloat), ew[0]).softmax(-1), k, -1);
+  const at::Tensor scores = at::linear(x.to(at::kFloat), ew[0]).softmax(-1);
+  if (x.size(0) == 1 && k <= 2 && x.scalar_type() == at::kBFloat16) {
+    return routed_experts_row(op, x, scores, ew, ep, r, gemv);
+  }
+  auto [weights, ids] = at::topk(scores, k, -1);
   if (r.norm_topk_prob) weights = weights / (weights.sum(-1, true) + 1e-20);
   weights = weights * r.routed_scaling_factor;
   const at::Tensor flat = ids.reshape(-1);
@@ -112,6 +128,46 @@ OptTensor bias_or_none(const at::Tensor& t) { return t.numel() ? OptTensor(t) : 
 
 // h: the embedded input rows [T, hidden] (bf16); it becomes the residual stream, updated in place as in
 // the Python loop. Returns the final norm of the last residual.
+// One bfloat16 row with k <= 2: routed_experts' arithmetic with plain loops where it calls an ATen op on
+// k or E numbers (top-k, renormalisation, scaling, the bf16 pair weight, the weighted sum into zeros), each
+// rounding as that op rounds (a sum of two floats has one rounding in any order), so only the router,
+// its softmax and the k experts' kernels are calls.
+at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tensor& scores, const at::Tensor* ew,
+                              const int64_t* ep, const Routing& r, bool gemv) {
+  const int64_t e_count = r.num_experts, k = r.top_k, hidden = x.size(1);
+  TORCH_CHECK(scores.is_contiguous() && scores.numel() == e_count, "decode_layers: router scores must be [1, E]");
+  const float* s = scores.data_ptr<float>();
+  int64_t ids[2] = {-1, -1};
+  float w[2] = {0.f, 0.f};
+  for (int64_t j = 0; j < k; ++j) {  // the k largest scores, best first (ties: the lower expert id)
+    for (int64_t e = 0; e < e_count; ++e) {
+      if ((j == 0 || e != ids[0]) && (ids[j] < 0 || s[e] > w[j])) ids[j] = e, w[j] = s[e];
+    }
+  }
+  if (r.norm_topk_prob) {
+    const float denom = (k == 2 ? w[0] + w[1] : w[0]) + static_cast<float>(1e-20);
+    for (int64_t j = 0; j < k; ++j) w[j] = w[j] / denom;
+  }
+  const float scaling = static_cast<float>(r.routed_scaling_factor);
+  int64_t order[2] = {0, 1};  // experts in ascending id, as the general path's sort by expert
+  if (k == 2 && ids[1] < ids[0]) order[0] = 1, order[1] = 0;
+  at::Tensor out = at::zeros_like(x);
+  auto* acc = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t e = ids[order[j]];
+    const float pair_weight = bf16_to_float(float_to_bf16(w[order[j]] * scaling));
+    const at::Tensor gate_up = linear(op, x, ew[1 + e], OptTensor(), gemv, ep ? ep[e] : 0);
+    const at::Tensor y = linear(op, op.silu_and_mul.call(gate_up), ew[1 + e_count + e], OptTensor(), gemv,
+                                ep ? ep[e_count + e] : 0);
+    const auto* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float weighted = bf16_to_float(float_to_bf16(bf16_to_float(yp[i]) * pair_weight));
+      acc[i] = float_to_bf16(bf16_to_float(acc[i]) + weighted);
+    }
+  }
+  return out;
+}
+
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::TensorList weights, const at::Tensor& gemv_ptrs,
                          const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
