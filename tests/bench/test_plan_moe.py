@@ -27,6 +27,9 @@ def test_mla_plan_and_the_allocated_pool_agree(model_dirs: dict[str, str], capsy
     assert plan["full_kv_bytes_per_token"] == 3 * 4 * (32 + 16) * 4
     assert plan["kv_capacity_gain"] >= 4
     assert plan["max_kv_tokens"] == (1 << 20) // (576 * 16) * 16
+    # the engine refuses a quantized latent cache, so plan offers none
+    assert [r["kv_cache_dtype"] for r in plan["kv_cache_dtypes"]] == ["auto"]
+    assert plan["kv_cache_dtypes"][0]["kv_bytes_per_token"] == 576
     llm = LLM(d, dtype="float32", kv_cache_memory="1MiB", block_size=16, skip_tokenizer_init=True)
     runner = llm.engine.core.executor.runner
     config = llm.engine.core.executor.kv_cache_config
