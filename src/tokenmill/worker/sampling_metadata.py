@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from tokenmill.core.structured_output import GrammarBitmasks
-
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.rejection_sampler import accepted_run
 
