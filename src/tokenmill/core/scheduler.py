@@ -53,8 +53,9 @@ class Scheduler:
         self._fair_now = 0  # the latest turn admitted: a group that starts (again) starts here
 
     def set_structured_output(self, manager: StructuredOutput) -> None:
-        # a step's bitmasks follow the tokens taken before it: with async scheduling a constrained
-        # request is not scheduled while a step that samples for it is in flight (_waits_for_tokens)
+        # a step's bitmasks follow the tokens taken before it: with async scheduling, a manager that does not
+        # wait for the tokens in flight itself (follows_tokens_in_flight) has a constrained request wait while
+        # a step that samples for it is in flight (_waits_for_tokens)
         self.structured_output = manager
         self._structured = not isinstance(manager, NoStructuredOutput)
 
@@ -227,8 +228,9 @@ class Scheduler:
 
     def _waits_for_tokens(self, req: Request) -> bool:
         """A constrained request's bitmask follows its last token: with a step in flight that samples it,
-        it waits (async scheduling)."""
-        return self._structured and req.sampling_params.structured_outputs is not None
+        it waits (async scheduling), unless the manager fills its bitmask once that token is in."""
+        return (self._structured and not self.structured_output.follows_tokens_in_flight
+                and req.sampling_params.structured_outputs is not None)
 
     def _with_drafts(self, req: Request, budget: int) -> tuple[int, list[int]]:
         """The tokens to compute for a running request with proposals, and the drafts among them:

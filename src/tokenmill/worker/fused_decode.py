@@ -1,7 +1,8 @@
 """The fused CPU decode path: a pure-decode step's whole layer loop in one C++ call
-(kernels: `decode_layers`), or embedding, layers, lm_head and argmax in one (`decode_greedy`).
-A layer's MLP is dense or routed experts (Mixtral's block: the kernel routes and runs each chosen
-expert once over its rows, as layers.moe.SparseMoeBlock's fused path does).
+(kernels: `decode_layers`), or embedding, layers, lm_head and argmax in one (`decode_greedy`; with
+structured output's token bitmask, the argmax over the allowed tokens). A layer's MLP is dense or
+routed experts (Mixtral's block: the kernel routes and runs each chosen expert once over its rows,
+as layers.moe.SparseMoeBlock's fused path does).
 
 The runner builds it for a model that describes itself as a `DecoderLayout` (models/interface.py),
 on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes;
@@ -115,11 +116,13 @@ class FusedDecode:
         out: torch.Tensor = self.ops.decode_layers(h, positions, *self._args(meta))
         return out
 
-    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Each row's argmax token of a pure-decode step whose rows are all plain greedy, or None where
-        the lm_head is not packed (the caller takes the Python path then)."""
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Each row's argmax token of a pure-decode step whose rows are all plain greedy (over the tokens
+        each row's bitmask allows, where one is given), or None where the lm_head is not packed (the caller
+        takes the Python path then)."""
         if self._lm_head is None:
             return None
         ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
-                                                   *self._lm_head)
+                                                   *self._lm_head, bitmask)
         return ids

@@ -133,14 +133,19 @@ class ModelRunner:
         positions = to_device(torch.from_numpy(step.positions), self.device)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
         states = step.sample_states
-        greedy = sampling is not None and sampling.all_plain_greedy  # (and then no bitmask)
+        greedy = sampling is not None and sampling.all_argmax  # (over the allowed tokens, with a bitmask)
         fused, graphs = self.fused_decode, self.graphs
         if graphs is not None and rows is None and graphs.applies(meta, len(step.input_ids)):
             hidden = graphs.run(input_ids, positions, meta)
         elif fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
             if (greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows
                     and not getattr(self.proposer, "needs_hidden_states", False)):
-                ids = fused.greedy(input_ids, positions, meta)
+                assert sampling is not None
+                # bitmasks still being filled: the forward first, then the lm_head and argmax once they are in
+                ids = None
+                if sampling.bitmask_ready:
+                    sampling.await_bitmask()
+                    ids = fused.greedy(input_ids, positions, meta, sampling.bitmask)
                 if ids is not None:  # the whole step in one call, to its tokens
                     self._record(step, out, SamplerOutput([[t] for t in ids.tolist()]))
                     return out
@@ -160,6 +165,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
         if getattr(self.proposer, "needs_hidden_states", False):
             self._hidden = hidden
+        sampling.await_bitmask()
         self._record(step, out, self.sampler(logits, sampling))  # (plain greedy rows: the C++ argmax alone)
 
     @staticmethod

@@ -211,15 +211,18 @@ class Sampler:
     def __init__(self, ops: Any = None) -> None:
         self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 logits
 
-    def argmax(self, logits: torch.Tensor) -> list[int] | None:
-        """Each row's argmax by the C++ kernel (the first of equal maxima, as torch's), or None where
-        it does not apply. For rows that are all plain greedy: the caller checks that."""
+    def argmax(self, logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> list[int] | None:
+        """Each row's argmax by the C++ kernel (the first of equal maxima, as torch's), over the tokens
+        the row's bitmask allows where one is given, or None where it does not apply. For rows that are
+        all argmax (SamplingMetadata.all_argmax): the caller checks that."""
         if self.ops is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
-            return self.ops.argmax_rows(logits).tolist()
+            if bitmask is None:
+                return self.ops.argmax_rows(logits).tolist()
+            return self.ops.argmax_rows_masked(logits, bitmask).tolist()
         return None
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if meta.all_plain_greedy and (ids := self.argmax(logits)) is not None:
+        if meta.all_argmax and (ids := self.argmax(logits, meta.bitmask)) is not None:
             return _with_rows(SamplerOutput(meta.runs(ids)), ids, meta)
         logits = logits.to(torch.float32, copy=True)  # the sampler's own: processors and _choose work in place
         if meta.bitmask is not None:  # before anything else reads the logits

@@ -34,12 +34,15 @@ using RmsNorm = at::Tensor(T, T, double, const OptTensor&);
 using Gemv = at::Tensor(T, T, const OptTensor&);
 using SiluAndMul = at::Tensor(T);
 using ArgmaxRows = at::Tensor(T);
+using ArgmaxRowsMasked = at::Tensor(T, T);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
   c10::TypedOperatorHandle<Gemv> gemv = find_op<Gemv>("tokenmill_cpu::packed_gemv");
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = find_op<SiluAndMul>("tokenmill_cpu::silu_and_mul");
   c10::TypedOperatorHandle<ArgmaxRows> argmax_rows = find_op<ArgmaxRows>("tokenmill_cpu::argmax_rows");
+  c10::TypedOperatorHandle<ArgmaxRowsMasked> argmax_rows_masked =
+      find_op<ArgmaxRowsMasked>("tokenmill_cpu::argmax_rows_masked");
 };
 
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
@@ -270,6 +273,7 @@ at::Tensor decode_layers_op(const at::Tensor& h_in, const at::Tensor& positions,
 }
 
 // input_ids [T] (int64) -> each row's greedy token [T] (int64): embedding, decode_layers, lm_head, argmax
+// (over the tokens each row's bitmask allows, where one is given: structured output)
 at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                          const at::Tensor& gemv_ptrs, const at::Tensor& final_norm, at::TensorList kv_caches,
@@ -277,7 +281,8 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                          int64_t window, bool gemv, at::TensorList experts, int64_t num_experts, int64_t top_k,
                          bool norm_topk_prob, double routed_scaling_factor, const at::Tensor& lm_head,
-                         const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr) {
+                         const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr,
+                         const OptTensor& bitmask) {
   // the embedding's rows, copied as at::embedding copies them, without that op's per-call overhead
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
@@ -295,7 +300,9 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
                                      scale, window, gemv, experts,
                                      Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
-  return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr));
+  const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
+  if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
+  return ops().argmax_rows.call(logits);
 }
 
 }  // namespace
@@ -309,7 +316,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "Tensor gemv_ptrs, Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
         "bool gemv, Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor, "
-        "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr) -> Tensor");
+        "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? bitmask=None) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
