@@ -3,6 +3,7 @@ model, behind GuardMiddleware (API key, body size, request ids, bugs as 500s).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenmill import __version__
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import check_token_ids
-from tokenmill.entrypoints.openai import serving_responses
+from tokenmill.entrypoints.openai import dashboard, serving_responses
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
 from tokenmill.entrypoints.openai.openapi import SSE, errors, install_openapi
@@ -41,7 +42,8 @@ _HEALTH: dict[int | str, dict[str, Any]] = {200: {"description": "the engine is 
 
 
 def build_app(ctx: ServerContext, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              stopping: Callable[[], bool] = lambda: False) -> FastAPI:
     app = FastAPI(title="tokenmill", version=__version__)
     install_error_handlers(app)
     engine = ctx.engine
@@ -123,4 +125,5 @@ def build_app(ctx: ServerContext, api_key: str | None = None,
                         "takes --pooler-config)", "model").response()
 
     serving_responses.register(app, ctx)
+    dashboard.register(app, engine.metrics.live, lambda: stopping() or engine.dead_error is not None)
     return app

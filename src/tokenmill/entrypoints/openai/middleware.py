@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+from http.cookies import CookieError, SimpleCookie
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -17,6 +19,9 @@ logger = logging.getLogger(__name__)
 # what needs no API key: probes and monitoring (everything else, /docs and /openapi.json too, does)
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 REQUEST_ID_HEADER = b"x-request-id"
+# the dashboard's routes also take the key as ?api_key= or this cookie: a browser's EventSource sends no headers
+DASHBOARD_PREFIX = "/dashboard"
+DASHBOARD_COOKIE = "tokenmill_api_key"
 
 
 def bearer_token(value: bytes) -> bytes | None:
@@ -47,7 +52,7 @@ class GuardMiddleware:
                     message = {**message, "headers": [*message["headers"], (REQUEST_ID_HEADER, request_id)]}
             await send(message)
 
-        error = self._check_key(scope["path"], headers)
+        error = self._check_key(scope["path"], headers, scope.get("query_string", b""))
         if error is None:
             error, receive = await self._check_size(headers, receive)
         if error is not None:
@@ -62,11 +67,14 @@ class GuardMiddleware:
             await send_error(send_with_id, APIError("internal_error", f"internal server error: {type(e).__name__}"),
                              close=True)
 
-    def _check_key(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+    def _check_key(self, path: str, headers: dict[bytes, bytes], query: bytes) -> APIError | None:
         if self.api_key is None or path in OPEN_PATHS:
             return None
         value = headers.get(b"authorization")
         token = bearer_token(value) if value is not None else None
+        if token is None and path.startswith(DASHBOARD_PREFIX):
+            token = dashboard_key(headers, query)
+            value = value if token is None else token
         if token is not None and secrets.compare_digest(token, self.api_key):
             return None
         if value is None:
@@ -116,3 +124,20 @@ async def send_error(send: Send, error: APIError, close: bool = False) -> None:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def dashboard_key(headers: dict[bytes, bytes], query: bytes) -> bytes | None:
+    """The key a dashboard route was given as ?api_key=KEY or in the dashboard's cookie, if any."""
+    given = parse_qs(query.decode("latin-1")).get("api_key")
+    if given:
+        return given[0].encode()
+    cookie = headers.get(b"cookie")
+    if cookie is None:
+        return None
+    jar: SimpleCookie = SimpleCookie()
+    try:
+        jar.load(cookie.decode("latin-1"))
+    except CookieError:
+        return None
+    morsel = jar.get(DASHBOARD_COOKIE)
+    return None if morsel is None else morsel.value.encode()
