@@ -89,6 +89,7 @@ def test_latency_bench_on_the_tiny_model(llama_dir: str, batch: int, tmp_path: P
         assert r["decode_memory_floor_ms"] == pytest.approx(r["bytes_per_step"] / 10e9 * 1e3, rel=1e-3)
         assert r["decode_floor_ms"] >= r["decode_memory_floor_ms"]
         assert r["bandwidth_source"] == "given" and r["prefill_from"] == "metrics"
+        assert r["engine_GBps"] > 0 and 0 < r["engine_mbu"] <= 1 and 0 < r["engine_mfu"] <= 1
     else:
         assert r["mbu"] is None and r["prefill_mfu"] is None and r["bandwidth_source"] == "none"
 

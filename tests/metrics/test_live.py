@@ -9,8 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.core.messages import SchedulerStats, StepStats
 from tokenmill.metrics import EngineMetrics
 from tokenmill.metrics.ceilings import Ceilings
-from tokenmill.metrics.live import PlanFigures, percentile
+from tokenmill.metrics.live import percentile
 from tokenmill.metrics.slo import SLO
+from tokenmill.metrics.step_cost import PlanFigures
 from tokenmill.metrics.vllm_aliases import VLLM_NAMES
 from tokenmill.outputs import CompletionOutput, RequestOutput
 

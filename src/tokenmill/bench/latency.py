@@ -42,6 +42,7 @@ from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
 from tokenmill.kv_cache_spec import kv_storage_dtype
 from tokenmill.metrics.ceilings import utilization
+from tokenmill.metrics.step_cost import engine_fields
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         "total_s_runs": [round(t.total_s, 5) for t in timings],
         **roofline_fields(cost, roof, b, context, b * args.input_len, prefill_s, step_s),
         **plan_fields(config, cost, context, llm.engine.core.num_blocks),
+        **engine_fields(stats0.step, stats1.step, roof),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
         "loaded_weight_bytes": loaded_weight_bytes(llm),
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),

@@ -26,6 +26,7 @@ from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
 from tokenmill.kv_cache_spec import kv_storage_dtype
 from tokenmill.metrics.ceilings import utilization
+from tokenmill.metrics.step_cost import engine_fields
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
         "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": step_count, "steps_runs": steps,
         **estimates(cost, lens, step_count, wall, roof),
+        **engine_fields(stats0.step, llm.engine.stats.step, roof),
         "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_seq_len": seq_len, "kv_seqs_fit": blocks // -(-seq_len // bs),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,

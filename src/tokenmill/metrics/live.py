@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from tokenmill.core.messages import SchedulerStats, StepStats
 from tokenmill.metrics.ceilings import Ceilings, utilization
 from tokenmill.metrics.slo import SLO
+from tokenmill.metrics.step_cost import PlanFigures, step_rates
 
 WINDOW_S = 10.0  # the step window of the rates
 HISTORY_S = 300.0  # latency percentiles and throughput over the last minutes
@@ -29,18 +30,6 @@ SAMPLE_S = 0.25  # the step counters are sampled at most this often
 GOODPUT_WINDOW_S = 60.0
 COMPOSITION_STEPS = 120  # batch composition of the last steps
 LATENCY_SAMPLES = 4096  # per latency kind
-
-
-@dataclass(frozen=True)
-class PlanFigures:
-    """`tokenmill plan`'s arithmetic for the running engine (tokenmill.model_math): the decode floor of
-    one sequence at `context` tokens (max_model_len / 2), and how many tokens / such requests the pool holds."""
-
-    decode_floor_ms: float | None
-    context: int
-    capacity_tokens: int
-    capacity_requests: int
-    block_size: int
 
 
 @dataclass(frozen=True)
@@ -125,12 +114,12 @@ class LiveStats:
         now_t, last = self._samples[-1][0], self.last.step
         steps, busy = last.steps - first.steps, last.busy_s - first.busy_s
         span = max(now_t - t0, SAMPLE_S)
-        if steps <= 0 or busy <= 0:
+        rates = step_rates(first, last)
+        if rates is None:
             return WindowRates(span, 0, 0.0, None, None, None, None, None)
         return WindowRates(span, steps, min(1.0, busy / span), busy / steps * 1e3,
                            (last.prefill_tokens - first.prefill_tokens) / steps,
-                           (last.decode_tokens - first.decode_tokens) / steps,
-                           (last.bytes - first.bytes) / busy / 1e9, (last.flops - first.flops) / busy / 1e9)
+                           (last.decode_tokens - first.decode_tokens) / steps, rates[0], rates[1])
 
     def utilizations(self, w: WindowRates | None) -> dict[str, Any]:
         """MBU and MFU of the window against the ceilings (each None without a ceiling or a rate)."""

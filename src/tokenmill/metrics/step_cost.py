@@ -13,11 +13,26 @@ starts at e_i - n_i:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from tokenmill.config import EngineConfig
+from tokenmill.core.messages import StepStats
 from tokenmill.kv_cache_spec import kv_storage_dtype
-from tokenmill.metrics.ceilings import Ceilings
-from tokenmill.metrics.live import PlanFigures
+from tokenmill.metrics.ceilings import Ceilings, utilization
 from tokenmill.model_math import ModelCost, decode_floor, kv_capacity, max_requests
+
+
+@dataclass(frozen=True)
+class PlanFigures:
+    """`tokenmill plan`'s arithmetic for the running engine (tokenmill.model_math): the decode floor of
+    one sequence at `context` tokens (max_model_len / 2), and how many tokens / such requests the pool holds."""
+
+    decode_floor_ms: float | None
+    context: int
+    capacity_tokens: int
+    capacity_requests: int
+    block_size: int
 
 
 def model_cost(config: EngineConfig) -> ModelCost:
@@ -54,3 +69,27 @@ def step_bytes(cost: ModelCost, tokens: int, kv_tokens: int) -> float:
 def step_flops(cost: ModelCost, tokens: int, sampled_rows: int, attended: int) -> float:
     body = cost.matmul_params - cost.lm_head_params
     return float(2 * body * tokens + 2 * cost.lm_head_params * sampled_rows + cost.attn_flops_per_position * attended)
+
+
+def step_rates(first: StepStats, last: StepStats) -> tuple[float, float] | None:
+    """GB/s and GFLOP/s of the steps between two snapshots of the counters, per second of step time
+    (None if no step ran between them)."""
+    busy = last.busy_s - first.busy_s
+    if last.steps <= first.steps or busy <= 0:
+        return None
+    return (last.bytes - first.bytes) / busy / 1e9, (last.flops - first.flops) / busy / 1e9
+
+
+def engine_fields(first: StepStats | None, last: StepStats | None, roof: Ceilings) -> dict[str, Any]:
+    """The benches' record of what the engine's own step counters (and so /metrics) say about the same
+    work: achieved rates over the steps' busy time and MBU/MFU against the same ceilings."""
+    rates = None if first is None or last is None else step_rates(first, last)
+    out: dict[str, Any] = {"engine_GBps": None, "engine_gflops": None, "engine_mbu": None, "engine_mfu": None}
+    if rates is None:
+        return out
+    out["engine_GBps"], out["engine_gflops"] = round(rates[0], 4), round(rates[1], 4)
+    if roof.bandwidth_gbps:
+        out["engine_mbu"] = round(utilization(rates[0], roof.bandwidth_gbps).ratio, 4)
+    if roof.gflops:
+        out["engine_mfu"] = round(utilization(rates[1], roof.gflops).ratio, 4)
+    return out

@@ -99,6 +99,7 @@ function drawKvMap(canvas, kv) {
     ctx.fillRect((i % perRow) * size, Math.floor(i / perRow) * size, size - 1, size - 1);
   }
   canvas.title = per > 1 ? `one cell per ${per} blocks` : "one cell per block";
+  setText("kv-scale", canvas.title);
 }
 
 function render(s) {
