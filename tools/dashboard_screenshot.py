@@ -3,7 +3,7 @@ completion streams running, waits for the dashboard to fill and saves a full-pag
 driving the system's Chromium; no browser download).
 
     python tools/dashboard_screenshot.py [--model models/tokenmill-demo] [--port 8230] \
-        [--out docs/dashboard.png] [--seconds 20] [--slo ttft_ms=500,tpot_ms=50]
+        [--out docs/dashboard.png] [--seconds 20] [--slo ttft_ms=500,tpot_ms=50] [-- SERVE OPTIONS]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="load before the screenshot")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--slo", default="ttft_ms=500,tpot_ms=50")
+    p.add_argument("serve_args", nargs="*", help="more `tokenmill serve` options, after --")
     args = p.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -42,7 +43,7 @@ def main() -> int:
         return 1
     url = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", args.model, "--port",
-                               str(args.port), "--slo", args.slo, "--served-model-name", "demo"])
+                               str(args.port), "--slo", args.slo, "--served-model-name", "demo", *args.serve_args])
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
