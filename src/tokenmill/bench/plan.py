@@ -44,7 +44,8 @@ def register(subparsers: Any) -> None:
                    help="KV tokens per block (default: the engine's on CPU)")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCHES)
     p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth, GB/s")
-    p.add_argument("--flops", type=float, default=None, help="peak FLOP rate of the dtype, GFLOP/s (default: the roofline cache's)")
+    p.add_argument("--flops", type=float, default=None,
+                   help="peak FLOP rate of the dtype, GFLOP/s (default: the roofline cache's)")
     p.add_argument("--threads", type=int, default=None, help="which cached roofline measurement to use")
     p.add_argument("--measure", action="store_true", help="measure the roofline if it is not cached")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
