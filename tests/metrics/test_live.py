@@ -36,6 +36,8 @@ def test_window_rates_mbu_mfu_and_kv_blocks() -> None:
     m.live.configure(Ceilings(10.0, 100.0, "given", "given"), None, PlanFigures(2.0, 256, 4096, 16, 16))
     m.scheduler_stats(stats(1, 0.5, 1e9, 1e10), now=100.0)
     m.scheduler_stats(stats(11, 1.5, 6e9, 6e10), now=101.0)  # 10 steps, 1 s busy, 5 GB, 50 GFLOP
+    m.scheduler_stats(SchedulerStats(num_running=2, num_waiting=1, num_total_blocks=100, num_free_blocks=60,
+                                     num_cached_free_blocks=10), now=101.0)  # an abort's stats: no step counters
     got = samples(m)
     assert got["tokenmill:memory_bandwidth_bytes_per_second"] == pytest.approx(5e9)
     assert got["tokenmill:model_bandwidth_utilization"] == pytest.approx(0.5)

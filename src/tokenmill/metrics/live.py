@@ -57,6 +57,7 @@ class LiveStats:
         self.slo: SLO | None = None
         self.plan: PlanFigures | None = None
         self.last = SchedulerStats()
+        self.step: StepStats | None = None  # the latest step counters
         self._samples: deque[tuple[float, StepStats]] = deque()
         self._last_sample = -math.inf
         self._composition: deque[tuple[int, int]] = deque(maxlen=COMPOSITION_STEPS)
@@ -72,10 +73,12 @@ class LiveStats:
 
     # ---- fed by EngineMetrics ------------------------------------------------------------
     def on_stats(self, stats: SchedulerStats, now: float) -> None:
-        step, before = stats.step, self.last.step
+        """Stats without step counters (an abort's, or with --disable-log-stats) keep the last counters."""
+        step, before = stats.step, self.step
         self.last = stats
         if step is None:
             return
+        self.step = step
         if before is None or step.steps != before.steps:
             self._composition.append((step.last_prefill_tokens, step.last_decode_tokens))
         if now - self._last_sample >= SAMPLE_S:
@@ -108,10 +111,10 @@ class LiveStats:
 
     # ---- read on demand ------------------------------------------------------------------
     def window(self) -> WindowRates | None:
-        if not self._samples or self.last.step is None:
+        if not self._samples or self.step is None:
             return None
         t0, first = self._samples[0]
-        now_t, last = self._samples[-1][0], self.last.step
+        now_t, last = self._samples[-1][0], self.step
         steps, busy = last.steps - first.steps, last.busy_s - first.busy_s
         span = max(now_t - t0, SAMPLE_S)
         rates = step_rates(first, last)
@@ -180,7 +183,7 @@ class LiveStats:
             "composition": list(self._composition),
             "goodput": self.goodput(now),
             "plan": None if self.plan is None else self.plan.__dict__,
-            "stats_enabled": s.step is not None,
+            "stats_enabled": self.step is not None,
         }
 
     # ---- Prometheus ----------------------------------------------------------------------
@@ -207,7 +210,7 @@ class LiveStats:
             if state != "total":
                 kv.add_metric([self.model_name, state], n)
         yield kv
-        step = self.last.step
+        step = self.step
         if step is not None:
             yield counter("step_busy_seconds", "Wall time of engine steps (busy time).", step.busy_s)
             yield counter("step_prefill_tokens", "Prompt tokens computed by the steps.", step.prefill_tokens)
