@@ -6,6 +6,7 @@ Usage (from the repository root)::
     .venv/bin/python tools/build_random_model.py mixtral-1b /tmp/mixtral-1b      # 1.01B total, 0.30B active
     .venv/bin/python tools/build_random_model.py deepseek-v2-1b /tmp/dsv2-1b     # MLA + MoE, 0.99B total
     .venv/bin/python tools/build_random_model.py llama-gqa-1b /tmp/llama-1b      # dense GQA, 0.98B
+    .venv/bin/python tools/build_random_model.py llama-1.1b /tmp/llama-1.1b      # TinyLlama's shape, 1.1B
 
 (sizes as `tokenmill plan` counts them).
 
@@ -41,6 +42,9 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                            n_routed_experts=32, num_experts_per_tok=6, n_shared_experts=2,
                                            moe_intermediate_size=512, first_k_dense_replace=1,
                                            topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False)),
+    # TinyLlama-1.1B's shape (GQA 8:1, head_dim 64): the GPU path's targets (tools/gpu_check.sh)
+    "llama-1.1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                 num_attention_heads=32, num_key_value_heads=4)),
     # a dense GQA model of about the same total size (the MLA comparison's baseline)
     "llama-gqa-1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=6912, num_hidden_layers=16,
                                    num_attention_heads=16, num_key_value_heads=4)),
