@@ -18,6 +18,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     priority: int = 0
+    priority_class: int = 0  # core.request.PriorityClass
+    group: str = ""  # the batch it belongs to (the scheduler takes turns between batches)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -34,9 +34,10 @@ def register(subparsers: Any) -> None:
                    help=f"checkpoint directory (default: the demo model, {DEMO_MODEL})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
-    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
-                        "/version (or set TOKENMILL_API_KEY)")
+                        "/version (or set TOKENMILL_API_KEY); repeat it for several callers, each seeing only its "
+                        "own files and batches")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or template text) "
                    "that replaces the tokenizer's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -70,6 +71,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     observability_args(p)
+    serving_batch_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run, model_root=None)
 
@@ -99,6 +101,12 @@ def check_observability_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag} must be positive, got {value}")
     if args.otlp_traces_endpoint is not None:
         require_opentelemetry()
+
+
+def serving_batch_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.entrypoints.openai.batch_config import add_cli_args
+
+    add_cli_args(p)
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
@@ -149,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     check_observability_args(args)
     resolve_model_args(args)
+    if args.api_key is None:
+        args.api_key = os.environ.get("TOKENMILL_API_KEY") or None
     if args.num_threads is None:
         args.num_threads = default_num_threads(busy_cpus=API_PROCESS_CPUS)
     if args.async_scheduling is None:
