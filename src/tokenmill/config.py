@@ -79,6 +79,7 @@ class EngineConfig:
     device: DeviceConfig
     attention_backend: str
     speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
+    log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
 
 
 # speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
@@ -239,6 +240,8 @@ class EngineArgs:
               "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; turns async scheduling off)")
     runner: str = _arg("auto", "generate (text) or pooling (embeddings, /v1/embeddings and LLM.embed); auto: "
                                "the checkpoint's kind (an encoder such as BertModel pools, a decoder generates)")
+    disable_log_stats: bool = _arg(False, "no per-step statistics (bandwidth, FLOP/s, MBU/MFU, batch composition "
+                                          "in /metrics and /dashboard): vLLM's switch")
     task: str | None = _arg(None, "older vLLM's name for --runner: generate, or embed for --runner pooling")
     pooler_config: str | None = _arg(None, "the pooling runner's pooling as JSON, e.g. '{\"pooling_type\": "
                                            "\"MEAN\", \"normalize\": true}' (pooling_type MEAN, CLS or LAST; "
@@ -303,6 +306,7 @@ class EngineArgs:
                                 enforce_eager=self.enforce_eager),
             attention_backend=backend,
             speculative=spec,
+            log_stats=not self.disable_log_stats,
         )
 
     def _runner(self, arch: ArchConfig) -> str:

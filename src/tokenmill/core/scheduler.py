@@ -387,6 +387,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             peak_used_blocks=self.kv.pool.peak_used_blocks,
+            num_cached_free_blocks=self.kv.pool.num_cached_free_blocks,
             spec_num_drafts=self.spec.num_drafts,
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,

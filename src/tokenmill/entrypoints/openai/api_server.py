@@ -109,7 +109,7 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
         await asyncio.sleep(0)  # the task starts the core process before the web stack is imported
         import uvicorn
 
-        from tokenmill.entrypoints.openai import serving_batch
+        from tokenmill.entrypoints.openai import observability, serving_batch
         from tokenmill.entrypoints.openai.app import build_app
         from tokenmill.entrypoints.openai.batch_config import config_from_args
         from tokenmill.entrypoints.openai.lifecycle import CLOSE_GRACE, EXIT_ENGINE_DEAD, ServerLifecycle
@@ -129,10 +129,12 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
         # the grammar library (structured output) checks constraints here: loaded beside serving, not by the
         # first request that has one
         asyncio.get_running_loop().run_in_executor(None, importlib.import_module, "xgrammar")
+        observability.apply(engine, args)
         lifecycle = ServerLifecycle(engine, args.shutdown_timeout)
         batch_config = config_from_args(args)
         batches = serving_batch.open_runner(batch_config)
-        app = lifecycle.wrap(build_app(ctx, args.api_key, args.max_request_bytes, batches, batch_config))
+        app = lifecycle.wrap(build_app(ctx, args.api_key, args.max_request_bytes, batches, batch_config,
+                                       lambda: lifecycle.refusal is not None))
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log, lifespan="off",
                                 timeout_graceful_shutdown=int(CLOSE_GRACE), timeout_keep_alive=30)
         port = sock.getsockname()[1]
@@ -158,3 +160,5 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
     finally:
         sock.close()
         await engine.shutdown()
+        if engine.metrics.tracer is not None:
+            engine.metrics.tracer.shutdown()  # exports the spans still batched

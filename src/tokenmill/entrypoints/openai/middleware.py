@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
+from http.cookies import CookieError, SimpleCookie
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,6 +24,9 @@ REQUEST_ID_HEADER = b"x-request-id"
 # it): the batch's id. Such a request skips the key check (its batch's owner was checked when the batch was
 # created) and runs in the batch priority class, taking turns with other batches
 BATCH_SCOPE_KEY = "tokenmill.batch_id"
+# the dashboard's routes also take the key as ?api_key= or this cookie: a browser's EventSource sends no headers
+DASHBOARD_PREFIX = "/dashboard"
+DASHBOARD_COOKIE = "tokenmill_api_key"
 
 
 def bearer_token(value: bytes) -> bytes | None:
@@ -61,7 +66,8 @@ class GuardMiddleware:
                     message = {**message, "headers": [*message["headers"], (REQUEST_ID_HEADER, request_id)]}
             await send(message)
 
-        error = None if BATCH_SCOPE_KEY in scope else self._check_key(scope["path"], headers)
+        error = None if BATCH_SCOPE_KEY in scope else self._check_key(scope["path"], headers,
+                                                                       scope.get("query_string", b""))
         if error is None:
             limit = self.path_body_bytes.get(scope["path"], self.default_max_body_bytes)
             error, receive = await self._check_size(headers, receive, limit)
@@ -77,11 +83,14 @@ class GuardMiddleware:
             await send_error(send_with_id, APIError("internal_error", f"internal server error: {type(e).__name__}"),
                              close=True)
 
-    def _check_key(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+    def _check_key(self, path: str, headers: dict[bytes, bytes], query: bytes = b"") -> APIError | None:
         if not self.api_keys or path in OPEN_PATHS:
             return None
         value = headers.get(b"authorization")
         token = bearer_token(value) if value is not None else None
+        if token is None and path.startswith(DASHBOARD_PREFIX):
+            token = dashboard_key(headers, query)
+            value = value if token is None else token
         # every key compared, so the time taken does not tell which one matched
         if token is not None and sum(secrets.compare_digest(token, key) for key in self.api_keys):
             return None
@@ -134,3 +143,20 @@ async def send_error(send: Send, error: APIError, close: bool = False) -> None:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def dashboard_key(headers: dict[bytes, bytes], query: bytes) -> bytes | None:
+    """The key a dashboard route was given as ?api_key=KEY or in the dashboard's cookie, if any."""
+    given = parse_qs(query.decode("latin-1")).get("api_key")
+    if given:
+        return given[0].encode()
+    cookie = headers.get(b"cookie")
+    if cookie is None:
+        return None
+    jar: SimpleCookie = SimpleCookie()
+    try:
+        jar.load(cookie.decode("latin-1"))
+    except CookieError:
+        return None
+    morsel = jar.get(DASHBOARD_COOKIE)
+    return None if morsel is None else morsel.value.encode()
