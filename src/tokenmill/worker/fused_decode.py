@@ -24,11 +24,16 @@ from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
 
 
+ONEDNN_ONLY = -1  # the kernel's mark for a packed weight the GEMV does not read (oneDNN runs it)
+
+
 def _gemv_ptr(layer: LinearBase) -> int:
-    """The GEMV's packed-weight address for an unquantized packed layer, else 0."""
+    """The GEMV's packed-weight address for an unquantized packed layer, ONEDNN_ONLY for one whose
+    packed layout the GEMV does not read, else 0."""
     if not isinstance(layer.method, UnquantizedLinearMethod):
         return 0
-    return layer.method.gemv_data_ptr(layer)
+    ptr = layer.method.gemv_data_ptr(layer)
+    return ptr if ptr or not layer.packed else ONEDNN_ONLY
 
 
 def _projections(layer: DecoderLayerWeights) -> list[LinearBase]:

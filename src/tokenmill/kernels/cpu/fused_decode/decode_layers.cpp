@@ -48,10 +48,11 @@ struct Ops {
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
 // packed_gemv_max_rows(K) rows, else oneDNN on the same packed weight.
 // w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
-// checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op
+// checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op; -1: oneDNN
+// always (oneDNN packed this weight in a layout the GEMV does not read)
 at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                   int64_t w_ptr) {
-  if (gemv && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
+  if (gemv && w_ptr >= 0 && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
     if (w_ptr == 0) return op.gemv.call(x, w, bias);
     TORCH_CHECK(w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1), "decode_layers: weight and x disagree on K");
     return tokenmill::packed_gemv_at(reinterpret_cast<const uint16_t*>(w_ptr), x, w.size(0), bias);
