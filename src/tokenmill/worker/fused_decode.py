@@ -23,7 +23,6 @@ from tokenmill.attention.cpu import CpuBackend
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
 
-
 ONEDNN_ONLY = -1  # the kernel's mark for a packed weight the GEMV does not read (oneDNN runs it)
 
 
