@@ -45,6 +45,8 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        hold_kv: bool = False,
+        kv_parent: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -52,6 +54,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        self.hold_kv = hold_kv  # once finished, its blocks stay (Scheduler.held) until it is aborted
+        self.kv_parent = kv_parent  # a held request whose blocks this one starts from, if still held
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is computed or scheduled to be

@@ -23,7 +23,7 @@ from typing import Any
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.core.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.core_client import CoreClient
-from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from tokenmill.engine.input_processor import InputProcessor, KVSharing, PromptType, load_tokenizer
 from tokenmill.engine.llm_engine import child_requests
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.wire import EngineDeadError
@@ -167,7 +167,7 @@ class AsyncLLM:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, kv: KVSharing | None = None) -> RequestStream:
         """Validates and submits at once (ValueError, QueueFullError, EngineDeadError); whatever the
         failure, the request leaves nothing behind."""
         error = self.dead_error
@@ -181,7 +181,7 @@ class AsyncLLM:
         now = time.time()
         delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
         children = child_requests(request_id, delta_params)
-        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now, kv) for cid, cp in children]
         self._check_capacity(params.n)  # after validation: a bad request is a ValueError, never a full queue
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         try:
@@ -206,9 +206,9 @@ class AsyncLLM:
         if sum(self._num_seqs.values()) + n > capacity:
             raise QueueFullError(f"the server is at capacity ({capacity} sequences running or queued); retry later")
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
-        stream = self.add_request(prompt, params, request_id, priority)
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, kv: KVSharing | None = None) -> AsyncGenerator[RequestOutput, None]:
+        stream = self.add_request(prompt, params, request_id, priority, kv)
         try:
             async for out in stream:
                 yield out
@@ -223,6 +223,10 @@ class AsyncLLM:
         self.output_processor.abort(request_id)
         self.metrics.request_finished(request_id, "abort", time.time())
         self._forget(request_id)
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Release the blocks that finished requests added with KVSharing(hold=True) keep."""
+        self.client.abort_requests(request_ids)
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))

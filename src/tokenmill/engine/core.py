@@ -51,7 +51,8 @@ class EngineCore:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already running")
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                           req.eos_token_ids, req.arrival_time or None, req.priority))
+                                           req.eos_token_ids, req.arrival_time or None, req.priority,
+                                           req.hold_kv, req.kv_parent))
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.stats(), time.time())

@@ -20,6 +20,15 @@ from tokenmill.structured.grammar import check_structured_outputs
 PromptType = str | list[int] | dict[str, Any]
 
 
+@dataclass(frozen=True)
+class KVSharing:
+    """How a request shares KV blocks with others (beam search): `hold` keeps its blocks once it
+    finishes, until it is aborted; `parent` names a kept request whose blocks it starts from."""
+
+    hold: bool = False
+    parent: str | None = None
+
+
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
@@ -119,7 +128,8 @@ class InputProcessor:
         return list(ids)
 
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                     priority: int = 0, arrival_time: float | None = None) -> EngineCoreRequest:
+                     priority: int = 0, arrival_time: float | None = None,
+                     kv: KVSharing | None = None) -> EngineCoreRequest:
         vocab = self.config.arch.vocab_size
         check_token_ids(params.logit_bias, vocab, "logit_bias")  # the sampler indexes logits with these
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
@@ -130,5 +140,8 @@ class InputProcessor:
         max_tokens = resolve_max_tokens(len(prompt.prompt_token_ids), params.max_tokens, self.config.max_model_len)
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)
+        if kv is not None and params.n != 1:
+            raise ValueError("a request that keeps or shares KV blocks must have n == 1")
         return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
-                                 arrival_time or time.time(), priority)
+                                 arrival_time or time.time(), priority,
+                                 kv is not None and kv.hold, kv.parent if kv is not None else None)
