@@ -200,12 +200,14 @@ def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSe
             requests = [(s, ids, _sharing(kept.get(n), s, b, share_kv))
                         for n, s in live for b, ids in enumerate(s.pending())]
             request_ids, outputs = _run_step(engine, requests, [i for ids in kept.values() for i in ids])
-            kept = {}
-            for n, state in live:
-                k = len(state.live)
-                kept[n] = request_ids[:k] if share_kv else []
-                state.advance([position_logprobs(o) for o in outputs[:k]])
-                request_ids, outputs = request_ids[k:], outputs[k:]
+            spans: list[tuple[int, int]] = []  # each live state's requests: [start, end) in the step's
+            for _, state in live:
+                start = spans[-1][1] if spans else 0
+                spans.append((start, start + len(state.live)))
+            # all kept before any advance, which may raise: the finally releases them
+            kept = {n: request_ids[a:b] if share_kv else [] for (n, _), (a, b) in zip(live, spans, strict=True)}
+            for (_, state), (a, b) in zip(live, spans, strict=True):
+                state.advance([position_logprobs(o) for o in outputs[a:b]])
     finally:  # an interrupted search too leaves no kept block behind
         engine.release_kv([i for ids in kept.values() for i in ids])
     decode = _decoder(engine.get_tokenizer())
@@ -225,6 +227,10 @@ async def beam_search_async(engine: AsyncLLM, prompt: PromptType, params: BeamSe
                 for b, (token_ids, rid) in enumerate(zip(state.pending(), ids, strict=True)):
                     streams.append(engine.add_request({"prompt_token_ids": token_ids}, step_params(state), rid,
                                                       kv=_sharing(kept, state, b, True)))
+            except BaseException:  # (QueueFullError): the ones added are aborted
+                for stream in streams:
+                    stream.abort()
+                raise
             finally:  # the requests added have forked the parents' blocks they need
                 engine.release_kv(kept)
                 kept = ids
