@@ -170,3 +170,18 @@ def test_a_failed_step_ends_the_search_and_leaves_nothing_behind(llama_dir: str)
     runner.model = model
     assert [[s.tokens for s in o.sequences] for o in llm.beam_search(PROMPTS[:2], params)] == \
         [[s.tokens for s in o.sequences] for o in expected]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_shared_blocks_of_a_quantized_cache(llama_dir: str, kv_cache_dtype: str) -> None:
+    """With an int8 / fp8 KV cache the copied blocks carry their scales: sharing gives the sequences that
+    recomputing every beam's context with the same cache gives."""
+    prompt = random_prompts(1, 29, 29, seed=8)[0]  # 29 tokens: a partial last block (32 a block on a CPU)
+    params = BeamSearchParams(4, 12, ignore_eos=True)
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype,
+              enable_prefix_caching=False)
+    shared = beam_search(llm.engine, [prompt], params)[0]
+    assert llm.engine.core.scheduler.stats().num_blocks_copied > 0
+    recomputed = beam_search(llm.engine, [prompt], params, share_kv=False)[0]
+    assert [s.tokens for s in shared.sequences] == [s.tokens for s in recomputed.sequences]
+    assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.num_blocks
