@@ -140,8 +140,6 @@ class InputProcessor:
         max_tokens = resolve_max_tokens(len(prompt.prompt_token_ids), params.max_tokens, self.config.max_model_len)
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)
-        if kv is not None and params.n != 1:
-            raise ValueError("a request that keeps or shares KV blocks must have n == 1")
         return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
                                  arrival_time or time.time(), priority,
                                  kv is not None and kv.hold, kv.parent if kv is not None else None)
