@@ -14,7 +14,8 @@ Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
 - Mixture of experts: params count every expert; matmul_params (FLOPs) only the k experts a token
   is routed to; decode_weight_bytes(batch) only the experts a step of `batch` tokens reads, expected
   under uniform routing: E * (1 - (1 - k/E)^batch) per sparse layer (k at batch 1), as the fused MoE
-  path reads each chosen expert once per step and no other.
+  path reads each chosen expert once per step and no other; the routers are float32 (4 bytes a weight
+  whatever the dtype) and read whole every step.
 - Multi-head latent attention: its projections as the checkpoint has them (q_a/q_b or q, kv_a,
   kv_b, o, the two low-rank norms); KV per token is the latent plus the rope key; attention FLOPs per
   position are the absorbed decode's (QK over latent + rope key, PV over the latent).
@@ -148,13 +149,24 @@ class ModelCost:
 
     @property
     def weight_bytes(self) -> int:
-        return self.params * self.elem_bytes - self.quantization_saving
+        return self.params * self.elem_bytes - self.quantization_saving + self.float32_router_bytes
 
     def decode_weight_bytes(self, batch: int = 1) -> int:
         rows = 0 if self.arch.tie_word_embeddings else batch * self.arch.hidden_size
         k = 0 if self.arch.moe is None else self.arch.moe.top_k
         extra = self._unread_expert_params(k) - self._unread_expert_params(self.experts_read(batch))
-        return round(self.matmul_params + extra + rows) * self.elem_bytes - self.quantization_saving
+        return (round(self.matmul_params + extra + rows) * self.elem_bytes - self.quantization_saving
+                + self.float32_router_bytes)
+
+    @property
+    def float32_router_bytes(self) -> int:
+        """What the routers (and DeepSeek-V3's expert-choice bias) take beyond `elem_bytes` per weight:
+        they are float32 whatever the model's dtype, and every decode step reads them whole."""
+        moe = self.arch.moe
+        if moe is None:
+            return 0
+        router = moe.num_experts * (self.arch.hidden_size + moe.score_correction_bias)
+        return self.sparse_layers * router * max(0, 4 - self.elem_bytes)
 
     @property
     def quantization_saving(self) -> int:

@@ -138,9 +138,10 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
 
 def kv_dtype_table(arch: ArchConfig, dtype: str, kv_budget: int, block_size: int, max_len: int,
                    context: int) -> list[dict[str, Any]]:
-    """For each --kv-cache-dtype: bytes per token and the blocks, tokens and requests the budget holds."""
+    """For each --kv-cache-dtype the model's caches take (MLA's latent cache: auto only, as the engine
+    refuses a quantized one): bytes per token and the blocks, tokens and requests the budget holds."""
     rows = []
-    for choice in ("auto", "int8", "fp8_e4m3"):
+    for choice in ("auto",) if arch.mla is not None else ("auto", "int8", "fp8_e4m3"):
         cost = ModelCost(arch, dtype, kv_storage_dtype(choice, dtype))
         capacity = kv_capacity(kv_budget, cost, block_size)
         rows.append({"kv_cache_dtype": choice, "storage": cost.kv_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,

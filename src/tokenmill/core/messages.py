@@ -18,6 +18,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     priority: int = 0
+    priority_class: int = 0  # core.request.PriorityClass
+    group: str = ""  # the batch it belongs to (the scheduler takes turns between batches)
     # beam search (engine/beam_search.py): keep the KV blocks once finished, until aborted; start from
     # the blocks of kv_parent (a kept request whose tokens prefix this one's), shared copy-on-write
     hold_kv: bool = False

@@ -1,6 +1,13 @@
 """Iteration-level scheduler: each step one flat batch of decodes and prefill chunks under a
 token budget and a sequence cap; recompute preemption when the KV pool runs out.
 
+Priority classes (`Request.priority_class`): interactive requests come before batch ones in the
+waiting queue and in each step's budget; a waiting request of a higher class takes the seat and the
+blocks of a running request of a lower class (which is preempted), and under KV pressure the lowest
+class is preempted first. Within a class, vLLM's `priority` (lower first) orders requests, then
+requests of different groups (batches) take turns (start-time fair queuing over each group's count
+of requests), then arrival.
+
 Speculative decoding: a request's draft tokens (proposed by the workers with the step before's
 output) are scheduled as extra inputs after its last token, and the workers return the drafts they
 accepted and one more token; the KV of the rejected ones is rolled back before blocks are cached.
@@ -47,6 +54,8 @@ class Scheduler:
         self.structured_output: StructuredOutput = NoStructuredOutput()
         self._structured = False  # a manager other than the no-op is set: ask it and tell it
         self._ended: list[EngineCoreOutput] = []  # requests ended while scheduling, for the next outputs
+        self._group_next_round: dict[str, int] = {}  # per group: the turn its next request gets
+        self._fair_now = 0  # the latest turn admitted: a group that starts (again) starts here
         self.held: dict[str, list[int]] = {}  # finished hold_kv requests -> the tokens their kept blocks hold
         self.num_scheduled_tokens = 0  # cumulative
         self.num_blocks_copied = 0  # copy-on-write copies, cumulative
@@ -62,6 +71,9 @@ class Scheduler:
         if request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is in use (its KV blocks are kept)")
         self.requests[request.request_id] = request
+        if request.group:
+            request.fair_round = max(self._group_next_round.get(request.group, 0), self._fair_now)
+            self._group_next_round[request.group] = request.fair_round + 1
         self._fork(request)
         self._enqueue(request)
 
@@ -108,9 +120,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._ended)
 
-    def _queue_key(self, req: Request) -> tuple[int, int, float]:
-        # preempted requests go first, then by priority (lower first), then by arrival
-        return (0 if req.status == RequestStatus.PREEMPTED else 1, req.priority, req.arrival_time)
+    def _queue_key(self, req: Request) -> tuple[int, int, int, int, float]:
+        # by class; in a class preempted requests go first, then by priority (lower first), then the
+        # groups' turns, then by arrival
+        return (req.priority_class, 0 if req.status == RequestStatus.PREEMPTED else 1, req.priority,
+                req.fair_round, req.arrival_time)
 
     def _enqueue(self, req: Request) -> None:
         bisect.insort_right(self.waiting, req, key=self._queue_key)
@@ -125,6 +139,8 @@ class Scheduler:
 
         spec: dict[str, list[int]] = {}
         sampling: list[Request] = []  # the requests whose tokens this step reaches the end of
+        self._make_room_for_higher_classes()
+        self.running.sort(key=lambda r: r.priority_class)  # stable: the budget goes to higher classes first
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -171,6 +187,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.remove(req)
+            self._fair_now = max(self._fair_now, req.fair_round)
             self.kv.record_prefix_lookup(req, len(computed))
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -211,6 +228,32 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 dropped.append(req.request_id)
         return bool(dropped)
+
+    def _make_room_for_higher_classes(self) -> None:
+        """Waiting requests of a higher class than some running request (interactive ones over batch
+        lines) get what they need for their first chunk, a seat and blocks, by preempting running requests
+        of a lower class (the lowest first): lower classes only ever use the capacity higher ones leave."""
+        if not self.running or not self.waiting:
+            return
+        budget = self.config.max_num_batched_tokens
+        seats = self.config.max_num_seqs - len(self.running)
+        reserved = 0  # free blocks promised to the waiting requests looked at so far
+        for req in list(self.waiting):
+            if budget <= 0 or req.num_output_placeholders:
+                return
+            lower = [r for r in self.running if r.priority_class > req.priority_class]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = -(-(req.num_computed_tokens + n) // self.block_size) - len(self.kv.block_ids(req.request_id))
+            while (seats < 1 or self.kv.num_free_blocks - reserved < need) and lower:
+                victim = self._pick_victim(lower)
+                lower.remove(victim)
+                self._preempt(victim)
+                seats += 1
+            if seats < 1 or self.kv.num_free_blocks - reserved < need:
+                return
+            seats -= 1
+            reserved += max(need, 0)
+            budget -= n
 
     def _next_waiting(self) -> Request | None:
         """The first waiting request that may be scheduled: with structured output, one whose grammar is
@@ -279,9 +322,9 @@ class Scheduler:
 
     @staticmethod
     def _pick_victim(candidates: list[Request]) -> Request:
-        # the newest among the lowest-priority (highest priority value) requests not yet
-        # scheduled in this step
-        return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+        # the newest among the lowest-priority (highest class, then highest priority value) requests
+        # not yet scheduled in this step
+        return max(reversed(candidates), key=lambda r: (r.priority_class, r.priority, r.arrival_time))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -49,7 +49,8 @@ class LLMEngine:
         now = time.time()
         children = child_requests(request_id, params)
         # validate all before registering any: a rejected request must leave nothing behind
-        requests = [self.input_processor.make_request(cid, processed, cp, priority, now, kv) for cid, cp in children]
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now, kv=kv)
+                    for cid, cp in children]
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
                                           [cid for cid, _ in children], now)
         try:

@@ -34,9 +34,10 @@ def register(subparsers: Any) -> None:
                    help=f"checkpoint directory (default: the demo model, {DEMO_MODEL})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
-    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
-                        "/version (or set TOKENMILL_API_KEY)")
+                        "/version (or set TOKENMILL_API_KEY); repeat it for several callers, each seeing only its "
+                        "own files and batches")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or template text) "
                    "that replaces the tokenizer's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -69,8 +70,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serving_batch_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run, model_root=None)
+
+
+def serving_batch_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.entrypoints.openai.batch_config import add_cli_args
+
+    add_cli_args(p)
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
@@ -120,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     resolve_model_args(args)
+    if args.api_key is None:
+        args.api_key = os.environ.get("TOKENMILL_API_KEY") or None
     if args.num_threads is None:
         args.num_threads = default_num_threads(busy_cpus=API_PROCESS_CPUS)
     if args.async_scheduling is None:

@@ -193,6 +193,20 @@ def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[
     return out
 
 
+def host_list(t: torch.Tensor) -> list[int]:
+    """A tensor's values as a list. From a GPU: copied into pinned memory without blocking and waited for
+    by an event, so that only this thread waits (the step's worker thread; the core thread schedules the
+    next step meanwhile)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return host.tolist()
+
+
 class Sampler:
     def __init__(self, ops: Any = None) -> None:
         self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 logits
@@ -214,7 +228,7 @@ class Sampler:
         if meta.processors:
             apply_logit_processors(logits, [r for _, r in meta.processors], [i for i, _ in meta.processors])
         chosen = self._choose(logits, meta)
-        row_ids = chosen.tolist()
+        row_ids = host_list(chosen)
         out = _with_rows(SamplerOutput(meta.runs(row_ids)), row_ids, meta)
         if raw_logprobs is not None and meta.logprobs is not None:
             entries = topn_logprobs(raw_logprobs, chosen, max(meta.logprobs))
