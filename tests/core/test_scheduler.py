@@ -20,6 +20,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
@@ -66,6 +67,7 @@ class FakeRunner:
         self.states: dict[str, WorkerState] = {}
         self.memory: dict[tuple[int, int], tuple[int, int]] = {}  # (block, offset) -> (position, token)
         self.outputs: list[SchedulerOutput] = []
+        self.pool: BlockPool | None = None  # when set: a step never writes into a block another table holds
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.run(self.prepare(so))
@@ -110,6 +112,13 @@ class FakeRunner:
         return PreparedStep(so, rows)
 
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
+        for src, dst in step.so.blocks_to_copy:  # copy-on-write, before the step's writes
+            for o in range(self.block_size):
+                slot = self.memory.get((src, o))
+                if slot is None:
+                    self.memory.pop((dst, o), None)
+                else:
+                    self.memory[(dst, o)] = slot
         out = ModelRunnerOutput([], [])
         for rid, st_, start, n, drafts in step.rows:
             out.req_ids.append(rid)
@@ -128,7 +137,9 @@ class FakeRunner:
             assert self.memory.get(self._slot(st_, p)) == (p, st_.token_ids[p]), (rid, p)
         inputs = st_.token_ids[start:end] + drafts
         for p in range(start, start + n):
-            self.memory[self._slot(st_, p)] = (p, inputs[p - start])
+            block, offset = self._slot(st_, p)
+            assert self.pool is None or self.pool.blocks[block].ref_cnt == 1, f"{rid} writes a shared block {block}"
+            self.memory[block, offset] = (p, inputs[p - start])
         st_.num_computed_tokens = start + n
         if end < len(st_.token_ids):
             return []  # a prefill chunk short of the end samples nothing

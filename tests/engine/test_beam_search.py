@@ -1,5 +1,5 @@
 """LLM.beam_search against transformers' beam search (float32, early_stopping=False) on every golden
-fixture model, and the beams' sharing of KV blocks through the prefix cache."""
+fixture model, and the beams' sharing of KV blocks copy-on-write."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.fixtures import MODEL_SPECS, hf_beam_search
 from tokenmill import LLM, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncLLM
-from tokenmill.engine.beam_search import beam_search_async
+from tokenmill.engine.beam_search import beam_search, beam_search_async
 
 PROMPTS = random_prompts(4, 3, 40, seed=5)
 MAX_TOKENS = 10
@@ -79,22 +79,39 @@ def test_matches_transformers_with_eos(model_dirs: dict[str, str], tmp_path: str
     assert "stop" in reasons  # some hypotheses did end in EOS
 
 
-def test_beams_share_prefix_blocks(llama_dir: str) -> None:
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_beams_share_blocks_copy_on_write(llama_dir: str, prefix_caching: bool) -> None:
+    """A W=4 search over a prompt whose last block is partial: every step computes one token per beam
+    (nothing of the prompt or of the beams' tokens is recomputed), the partial blocks are copied when
+    a beam writes into a shared one, the peak of blocks in use is no more than recomputing through
+    the prefix cache needs (and under half of it with the prefix cache off), the sequences are the
+    same, and every block is back in the pool."""
     block_size, width, max_tokens = 8, 4, 8
-    prompt = random_prompts(1, 64, 64, seed=3)[0]
-    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", block_size=block_size)
-    kv = llm.engine.core.scheduler.kv
-    out = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, ignore_eos=True))[0]
-    assert len(out.sequences) == width and all(len(s.output_token_ids) == max_tokens for s in out.sequences)
-    context_blocks = -(-(len(prompt) + max_tokens) // block_size)  # 9
-    # the 8 prompt blocks once, plus each beam's own block of generated tokens; W private copies: 36
-    assert kv.pool.peak_used_blocks <= len(prompt) // block_size + width
-    assert kv.pool.peak_used_blocks < width * context_blocks
-    # every step after the first finds each beam's prompt blocks in the prefix cache
-    assert kv.prefix_hits >= (max_tokens - 1) * width * len(prompt)
-    assert kv.num_free_blocks == llm.engine.core.num_blocks  # nothing leaked
-    assert all(b.ref_cnt == 0 for b in kv.pool.blocks) and not kv.req_blocks
-    assert not llm.engine.has_unfinished_requests()
+    prompt = random_prompts(1, 61, 61, seed=3)[0]
+    params = BeamSearchParams(width, max_tokens, ignore_eos=True)
+    figures = {}
+    results = {}
+    for share in (True, False):
+        llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", block_size=block_size,
+                  enable_prefix_caching=prefix_caching)
+        engine = llm.engine
+        out = beam_search(engine, [prompt], params, share_kv=share)[0]
+        stats = engine.core.scheduler.stats()
+        figures[share] = (stats.num_scheduled_tokens, stats.peak_used_blocks, stats.num_blocks_copied)
+        results[share] = [(s.tokens, s.score) for s in out.sequences]
+        kv = engine.core.scheduler.kv
+        assert kv.num_free_blocks == engine.core.num_blocks  # nothing leaked, nothing kept
+        assert all(b.ref_cnt == 0 for b in kv.pool.blocks) and not kv.req_blocks and not engine.core.scheduler.held
+        assert not engine.has_unfinished_requests()
+    assert [t for t, _ in results[True]] == [t for t, _ in results[False]]
+    assert [x for _, x in results[True]] == pytest.approx([x for _, x in results[False]], rel=1e-4)
+    tokens, peak, copies = figures[True]
+    assert tokens == len(prompt) + (max_tokens - 1) * width
+    assert copies >= width - 1  # the prompt's partial block, shared by the first step's W children
+    old_tokens, old_peak, old_copies = figures[False]
+    # recomputing: each step's partial last block at least (the whole context without the prefix cache)
+    assert old_copies == 0 and old_tokens - len(prompt) > 3 * (tokens - len(prompt))
+    assert peak <= old_peak if prefix_caching else 2 * peak <= old_peak
 
 
 def test_output_shape(llama_dir: str) -> None:
@@ -153,3 +170,18 @@ def test_a_failed_step_ends_the_search_and_leaves_nothing_behind(llama_dir: str)
     runner.model = model
     assert [[s.tokens for s in o.sequences] for o in llm.beam_search(PROMPTS[:2], params)] == \
         [[s.tokens for s in o.sequences] for o in expected]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_shared_blocks_of_a_quantized_cache(llama_dir: str, kv_cache_dtype: str) -> None:
+    """With an int8 / fp8 KV cache the copied blocks carry their scales: sharing gives the sequences that
+    recomputing every beam's context with the same cache gives."""
+    prompt = random_prompts(1, 29, 29, seed=8)[0]  # 29 tokens: a partial last block (32 a block on a CPU)
+    params = BeamSearchParams(4, 12, ignore_eos=True)
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype,
+              enable_prefix_caching=False)
+    shared = beam_search(llm.engine, [prompt], params)[0]
+    assert llm.engine.core.scheduler.stats().num_blocks_copied > 0
+    recomputed = beam_search(llm.engine, [prompt], params, share_kv=False)[0]
+    assert [s.tokens for s in shared.sequences] == [s.tokens for s in recomputed.sequences]
+    assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.num_blocks

@@ -124,3 +124,18 @@ def test_routing_key_of_each_endpoint() -> None:
     assert routing_key("/v1/chat/completions", chat) == "<system>S<user>U"
     assert routing_key("/v1/embeddings", {"input": "e"}) == "e"
     assert routing_key("/v1/completions", {"prompt": 5}) == ""
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": 5}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}),
+    ("/v1/completions", {"prompt": [2**64] * 40}),
+    ("/v1/completions", {"prompt": [[-(2**63) - 1]]}),
+    ("/v1/completions", {"prompt": {"a": 1}}),
+    ("/v1/responses", {"input": [None, 1]}),
+])
+def test_any_body_gets_a_routing_key(path: str, body: dict[str, object]) -> None:
+    """Whatever JSON object a client sends, the router hashes something (the replica answers the 400)."""
+    assert isinstance(prefix_hashes(routing_key(path, body), 100), list)

@@ -1,7 +1,11 @@
 """`use_beam_search` on /v1/completions (vLLM's extra): the n best beams of each prompt, as
-`LLM.beam_search` (itself checked against transformers' beam search) gives them."""
+`LLM.beam_search` (itself checked against transformers' beam search) gives them; searches whose
+clients leave keep no KV block (the beams' kept and shared blocks are all released)."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import httpx
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from tests.conftest import random_prompts
 from tests.entrypoints.conftest import FLOAT32_NAME as NAME
 from tests.entrypoints.server import RemoteServer
+from tests.entrypoints.test_serve_openai import metrics
 from tokenmill import LLM, BeamSearchParams
 
 PROMPTS = random_prompts(2, 4, 20, seed=21)
@@ -41,3 +46,28 @@ def test_beam_search_refuses_what_it_cannot_do(server: RemoteServer, extra: dict
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] is not None
+
+
+def test_searches_whose_clients_leave_free_every_block(server: RemoteServer) -> None:
+    async def impatient(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": NAME, "prompt": PROMPTS[i % 2], "max_tokens": 300, "n": 4, "use_beam_search": True,
+                "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):  # 300 steps of 4 beams take far longer
+            await http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5 + 0.2 * i))
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers) as http:
+            await asyncio.gather(*[impatient(http, i) for i in range(4)])
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(server)
+        settled = m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
+        if settled and m["tokenmill:kv_cache_free_blocks"] == m["tokenmill:kv_cache_total_blocks"]:
+            break
+        assert time.monotonic() < deadline, f"KV blocks not freed: {m}"
+        time.sleep(0.2)
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 3, "n": 2, "use_beam_search": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2

@@ -197,6 +197,10 @@ def test_responses_with_text_format_and_tools(client: openai.OpenAI) -> None:
     r = client.responses.create(model=NAME, input="a person", text=fmt, max_output_tokens=200, temperature=1.0)
     jsonschema.validate(json.loads(r.output_text), PERSON)
     assert r.text.format.type == "json_schema"
+    events = list(client.responses.create(model=NAME, input="a person", text=fmt, max_output_tokens=200, stream=True))
+    assert events[-1].type == "response.completed"
+    jsonschema.validate(json.loads(events[-1].response.output_text), PERSON)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == events[-1].response.output_text
     parsed = client.responses.parse(model=NAME, input="a pet", text_format=Pet, max_output_tokens=200)
     assert isinstance(parsed.output_parsed, Pet)
     tools: Any = [flat(WEATHER), flat(TIME)]
@@ -218,3 +222,8 @@ def test_responses_with_text_format_and_tools(client: openai.OpenAI) -> None:
         [tool] = [t for t in tools if t["name"] == item.name]
         jsonschema.validate(json.loads(item.arguments), tool["parameters"])
     assert not [e for e in events if e.type == "response.output_text.delta"]  # the call is no text
+    auto = client.responses.create(model=NAME, input="weather?", tools=tools, max_output_tokens=8)
+    assert auto.tool_choice == "auto" and auto.output and len(auto.tools) == 2  # the hermes parser read the text
+    with pytest.raises(openai.BadRequestError, match="text.format cannot be combined") as err:
+        client.responses.create(model=NAME, input="x", tools=tools, tool_choice="required", text=fmt)
+    assert err.value.status_code == 400 and err.value.body["param"] == "text"  # type: ignore[index]

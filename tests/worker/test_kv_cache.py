@@ -1,8 +1,10 @@
 """The worker allocates what the executor planned from the model's layer specs, binds each attention
-layer to its slice, and a second model (a speculative-decoding draft) gets a cache of its own."""
+layer to its slice, a second model (a speculative-decoding draft) gets a cache of its own, and the
+copy-on-write block copies reach every layer's cache and scales."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import random_prompts
@@ -10,10 +12,16 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.arch import load_arch_config
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.kv_cache_spec import FullAttentionSpec, plan_kv_cache
+from tokenmill.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    plan_kv_cache,
+)
 from tokenmill.layers.attention import attention_layers
 from tokenmill.models.loader import load_model
-from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
+from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, copy_blocks, kv_cache_specs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -67,3 +75,40 @@ def test_a_second_model_gets_its_own_cache(model_dirs: dict[str, str]) -> None:
     # ... and the target's generations are untouched by it
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert after == before
+
+
+COPY_SPECS: dict[str, dict[str, KVCacheSpec]] = {
+    "float": {"l0": FullAttentionSpec(4, "float32", 2, 8), "l1": FullAttentionSpec(4, "float32", 2, 8),
+              "l2": SlidingWindowSpec(4, "float32", 2, 8, 16), "l3": FullAttentionSpec(4, "bfloat16", 1, 16)},
+    "int8": {"l0": FullAttentionSpec(4, "int8", 2, 8), "l1": FullAttentionSpec(4, "int8", 2, 8)},
+    "fp8": {"l0": FullAttentionSpec(4, "float8_e4m3fn", 1, 16), "l1": FullAttentionSpec(4, "float32", 1, 16)},
+    "mla": {"l0": MLAAttentionSpec(4, "bfloat16", 16, 8), "l1": MLAAttentionSpec(4, "bfloat16", 16, 8)},
+}
+
+
+@pytest.mark.parametrize("kind", list(COPY_SPECS))
+def test_copy_blocks_matches_a_per_layer_reference(kind: str) -> None:
+    """copy_blocks on the groups' whole tensors gives what copying each layer's K/V (or latent) rows and
+    each quantized layer's scales block by block, in order, gives; no other block changes."""
+    plan = plan_kv_cache(COPY_SPECS[kind], budget_bytes=0, num_blocks=7)
+    caches = allocate_kv_caches(plan, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for tensor, _ in caches.groups:
+        values = torch.randn(tensor.shape, generator=gen) * 50
+        tensor.copy_(values.round().clamp(-127, 127) if tensor.dtype == torch.int8 else values)
+    layers = {name: t.clone() for name, t in caches.by_layer.items()}
+    scales = {name: t.clone() for name, t in caches.scales_by_layer.items()}
+    assert (len(scales) == 2) == (kind == "int8") and (len(scales) == 1) == (kind == "fp8")
+    pairs = [(1, 5), (5, 2), (3, 0), (6, 4)]  # (5, 2) copies what (1, 5) put there
+    for src, dst in pairs:
+        for name, t in [*layers.items(), *scales.items()]:
+            paired = not isinstance(COPY_SPECS[kind][name], MLAAttentionSpec)  # [2, blocks, ...] for K and V
+            if paired:
+                t[:, dst] = t[:, src]
+            else:
+                t[dst] = t[src]
+    copy_blocks(caches, pairs)
+    for got, want in [*((caches.by_layer[n], t) for n, t in layers.items()),
+                      *((caches.scales_by_layer[n], t) for n, t in scales.items())]:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    copy_blocks(caches, [])

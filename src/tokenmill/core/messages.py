@@ -20,6 +20,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     priority_class: int = 0  # core.request.PriorityClass
     group: str = ""  # the batch it belongs to (the scheduler takes turns between batches)
+    # beam search (engine/beam_search.py): keep the KV blocks once finished, until aborted; start from
+    # the blocks of kv_parent (a kept request whose tokens prefix this one's), shared copy-on-write
+    hold_kv: bool = False
+    kv_parent: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -66,6 +70,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0  # cumulative
     num_steps: int = 0  # steps that ran any token, cumulative
     peak_used_blocks: int = 0  # most KV blocks in use at once since start-up
+    num_scheduled_tokens: int = 0  # tokens whose KV steps computed, cumulative
+    num_blocks_copied: int = 0  # copy-on-write block copies, cumulative
     # speculative decoding, cumulative (vLLM's spec_decode counters): verifications of a request's
     # drafts, the drafts verified, those accepted, and those accepted at each draft position
     spec_num_drafts: int = 0

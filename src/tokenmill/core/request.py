@@ -54,6 +54,8 @@ class Request:
         priority: int = 0,
         priority_class: int = PriorityClass.INTERACTIVE,
         group: str = "",
+        hold_kv: bool = False,
+        kv_parent: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +66,8 @@ class Request:
         self.priority_class = int(priority_class)
         self.group = group  # the batch a request belongs to: the scheduler takes turns between groups
         self.fair_round = 0  # its turn within its group, set by the scheduler when it is added
+        self.hold_kv = hold_kv  # once finished, its blocks stay (Scheduler.held) until it is aborted
+        self.kv_parent = kv_parent  # a held request whose blocks this one starts from, if still held
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is computed or scheduled to be

@@ -30,7 +30,8 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
-    resumed_from_preemption: bool = False  # then new_block_ids is the whole new block table
+    # then new_block_ids is the whole new block table (also when a block was replaced by its copy)
+    resumed_from_preemption: bool = False
 
 
 @dataclass
@@ -46,6 +47,9 @@ class SchedulerOutput:
     # the constrained requests that sample this step: int32 [1 + drafts, words] token bitmasks
     # (core/structured_output.py has the layout), or a Future of them (filled off the step loop)
     grammar_bitmask: GrammarBitmasks = field(default_factory=dict)
+    # copy-on-write: (source, destination) block ids whose KV (every layer's, scales included) the
+    # workers copy, in order, before the step's tokens are written
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -11,6 +11,11 @@ of requests), then arrival.
 Speculative decoding: a request's draft tokens (proposed by the workers with the step before's
 output) are scheduled as extra inputs after its last token, and the workers return the drafts they
 accepted and one more token; the KV of the rejected ones is rolled back before blocks are cached.
+
+Beam search (engine/beam_search.py): a request with `hold_kv` keeps its blocks once finished (in
+`held`, until it is aborted), and a request naming it as `kv_parent` starts from them: at admission
+it shares all of them, a partial last block included (KVCacheManager.fork), and only its new tokens
+are computed; the first write into a shared block copies it (`SchedulerOutput.blocks_to_copy`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class Scheduler:
         self._ended: list[EngineCoreOutput] = []  # requests ended while scheduling, for the next outputs
         self._group_next_round: dict[str, int] = {}  # per group: the turn its next request gets
         self._fair_now = 0  # the latest turn admitted: a group that starts (again) starts here
+        self.held: dict[str, list[int]] = {}  # finished hold_kv requests -> the tokens their kept blocks hold
+        self.num_scheduled_tokens = 0  # cumulative
+        self.num_blocks_copied = 0  # copy-on-write copies, cumulative
 
     def set_structured_output(self, manager: StructuredOutput) -> None:
         # a step's bitmasks follow the tokens taken before it: with async scheduling, a manager that does not
@@ -61,14 +69,34 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.held:
+            raise ValueError(f"request id {request.request_id!r} is in use (its KV blocks are kept)")
         self.requests[request.request_id] = request
         if request.group:
             request.fair_round = max(self._group_next_round.get(request.group, 0), self._fair_now)
             self._group_next_round[request.group] = request.fair_round + 1
+        self._fork(request)
         self._enqueue(request)
 
+    def _fork(self, req: Request) -> None:
+        """Start req from its kv_parent's kept blocks when the parent's tokens prefix req's (and leave
+        at least one token to compute); else it is computed as any request (prefix cache included)."""
+        tokens = self.held.get(req.kv_parent) if req.kv_parent is not None else None
+        n = len(tokens) if tokens else 0
+        if (n == 0 or n >= req.num_tokens or req.all_token_ids[:n] != tokens
+                or req.sampling_params.prompt_logprobs is not None):
+            return
+        assert req.kv_parent is not None
+        self.kv.fork(req.kv_parent, req.request_id, n)
+        req.num_computed_tokens = n
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        return self._end(request_ids, RequestStatus.FINISHED_ABORTED)
+        """End requests; a finished request's kept blocks (hold_kv) are released."""
+        ids = list(request_ids)
+        for rid in ids:
+            if self.held.pop(rid, None) is not None:
+                self.kv.free(rid)
+        return self._end(ids, RequestStatus.FINISHED_ABORTED)
 
     def fail_requests(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
         """End requests whose step failed, each with its error as the stop reason; their blocks are freed."""
@@ -142,7 +170,7 @@ class Scheduler:
                 spec[req.request_id] = drafts
             if req.spec_token_ids:
                 req.spec_token_ids = []  # scheduled, or cut: the step's output brings new ones
-            cached_reqs.append(self._cached_data(req, new_block_ids))
+            cached_reqs.append(self._cached_data(req, new_block_ids, self.kv.copied_on_write))
             self._advance(req, n, sampling)
             i += 1
 
@@ -156,6 +184,8 @@ class Scheduler:
             n = min(req.num_tokens - num_computed, budget)
             block_ids = self.kv.allocate_slots(req, n, computed)
             if block_ids is None:
+                if not self.running and self._drop_kept_blocks():  # nothing runs that could free any
+                    continue
                 break
             self.waiting.remove(req)
             self._fair_now = max(self._fair_now, req.fair_round)
@@ -172,15 +202,33 @@ class Scheduler:
             else:
                 self._seen_by_workers.add(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                               block_ids, num_computed))
+                                               self.kv.block_ids(req.request_id), num_computed))
             self._advance(req, n, sampling)
 
         finished, self._finished_ids = self._finished_ids, set()
         if budget < self.config.max_num_batched_tokens:
             self.num_steps += 1
         bitmasks = self.structured_output.grammar_bitmask(sampling, spec) if self._structured and sampling else {}
+        copies = self.kv.take_copies()
+        self.num_blocks_copied += len(copies)
+        self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, self.config.max_num_batched_tokens - budget,
-                               finished, spec, bitmasks)
+                               finished, spec, bitmasks, copies)
+
+    def _drop_kept_blocks(self) -> bool:
+        """Release every held request's blocks and the forked blocks of waiting requests (which then
+        compute their tokens from the start), so that a waiting request can get blocks; whether any
+        block was released."""
+        dropped = list(self.held)
+        for rid in dropped:
+            self.kv.free(rid)
+        self.held.clear()
+        for req in self.waiting:
+            if req.status == RequestStatus.WAITING and req.num_computed_tokens:
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
+                dropped.append(req.request_id)
+        return bool(dropped)
 
     def _make_room_for_higher_classes(self) -> None:
         """Waiting requests of a higher class than some running request (interactive ones over batch
@@ -264,12 +312,15 @@ class Scheduler:
         return (params.max_tokens is not None and pending >= params.max_tokens) or (
             req.num_tokens + req.num_output_placeholders >= self.max_model_len)
 
-    def _cached_data(self, req: Request, new_block_ids: list[int]) -> CachedRequestData:
+    def _cached_data(self, req: Request, new_block_ids: list[int], replaced: bool = False) -> CachedRequestData:
+        """What changed for a request the workers hold: its new blocks, or its whole table when it was
+        preempted since they saw it or a block of it was `replaced` by a copy."""
         resumed = req.request_id in self._preempted_since_seen
         if resumed:
             self._preempted_since_seen.discard(req.request_id)
+        if resumed or replaced:
             new_block_ids = self.kv.block_ids(req.request_id)
-        return CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens, resumed)
+        return CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens, resumed or replaced)
 
     @staticmethod
     def _pick_victim(candidates: list[Request]) -> Request:
@@ -366,7 +417,10 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req.request_id)
+        if req.hold_kv and status.finish_reason in ("stop", "length") and req.request_id in self.kv.req_blocks:
+            self.held[req.request_id] = req.all_token_ids[:min(req.num_computed_tokens, req.num_tokens)]
+        else:
+            self.kv.free(req.request_id)
         if self._structured:
             self.structured_output.free(req.request_id)
         del self.requests[req.request_id]
@@ -388,6 +442,8 @@ class Scheduler:
             num_steps=self.num_steps,
             peak_used_blocks=self.kv.pool.peak_used_blocks,
             num_cached_free_blocks=self.kv.pool.num_cached_free_blocks,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            num_blocks_copied=self.num_blocks_copied,
             spec_num_drafts=self.spec.num_drafts,
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,

@@ -24,7 +24,7 @@ from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.core.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.core.request import PriorityClass
 from tokenmill.engine.core_client import CoreClient
-from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from tokenmill.engine.input_processor import InputProcessor, KVSharing, PromptType, load_tokenizer
 from tokenmill.engine.llm_engine import child_requests
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.wire import EngineDeadError
@@ -169,7 +169,7 @@ class AsyncLLM:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, priority_class: int = PriorityClass.INTERACTIVE,
-                    group: str = "") -> RequestStream:
+                    group: str = "", kv: KVSharing | None = None) -> RequestStream:
         """Validates and submits at once (ValueError, QueueFullError, EngineDeadError); whatever the
         failure, the request leaves nothing behind. `priority_class` and `group` (a batch's id) are the
         scheduler's (core/scheduler.py)."""
@@ -184,7 +184,7 @@ class AsyncLLM:
         now = time.time()
         delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
         children = child_requests(request_id, delta_params)
-        requests = [self.input_processor.make_request(cid, processed, cp, priority, now, priority_class, group)
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now, priority_class, group, kv)
                     for cid, cp in children]
         interactive = priority_class == PriorityClass.INTERACTIVE
         if interactive:  # batch lines are bounded by their runner and never take the interactive queue's room
@@ -213,9 +213,9 @@ class AsyncLLM:
         if sum(self._num_seqs.values()) + n > capacity:
             raise QueueFullError(f"the server is at capacity ({capacity} sequences running or queued); retry later")
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
-        stream = self.add_request(prompt, params, request_id, priority)
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, kv: KVSharing | None = None) -> AsyncGenerator[RequestOutput, None]:
+        stream = self.add_request(prompt, params, request_id, priority, kv=kv)
         try:
             async for out in stream:
                 yield out
@@ -230,6 +230,10 @@ class AsyncLLM:
         self.output_processor.abort(request_id)
         self.metrics.request_finished(request_id, "abort", time.time())
         self._forget(request_id)
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Release the blocks that finished requests added with KVSharing(hold=True) keep."""
+        self.client.abort_requests(request_ids)
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))

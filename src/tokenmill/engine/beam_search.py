@@ -5,10 +5,13 @@ for which hypotheses live, finish and are returned.
 Each step, every live beam is one engine request: its prompt is the original prompt plus the beam's
 tokens, and it asks for one token with the logprobs of the top K candidates, K = 2 * beam_width
 ((1 + number of EOS ids) * beam_width with several EOS ids, as transformers keeps). The beams share KV
-through automatic prefix caching: the full blocks of their common prefix are found in the prefix
-cache and reference-counted in core/block_pool.py, so the W beams hold one copy of them; the partial
-last block of each beam is recomputed, not copied. With prefix caching off, every step recomputes
-each beam's whole context.
+blocks copy-on-write (the PagedAttention paper's case): each step request keeps its blocks once
+finished (KVSharing.hold), and the next step's request of each beam names the request of the beam
+it extends as its KV parent, so it starts from all of the parent's blocks (ref-counted in
+core/block_pool.py, a partial last block included) and computes one token; the first beam to write
+into a shared partial block gets a copy (the workers copy the block's KV). Once the next step's
+requests are added, the step's blocks are released; nothing of the shared prefix is recomputed,
+with or without prefix caching.
 
 The rules (transformers `_beam_search`, early_stopping=False):
 - a step's candidates are the top K (beam, token) pairs over all live beams, by cumulative logprob;
@@ -25,15 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.input_processor import KVSharing
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.async_engine import AsyncLLM, RequestStream
     from tokenmill.engine.input_processor import InputProcessor, PromptType
     from tokenmill.engine.llm_engine import LLMEngine
 
@@ -109,6 +114,7 @@ class BeamSearchState:
         self.live = [_Beam([], [], 0.0)]
         self.finished: list[tuple[float, _Beam, str]] = []  # (score, beam, finish reason), best first
         self.done = self.max_tokens < 1
+        self.parents: list[int] = [0]  # per live beam: the index, among the step before's, of the beam it extends
 
     def pending(self) -> list[list[int]]:
         return [] if self.done else [self.prompt + b.tokens for b in self.live]
@@ -124,6 +130,7 @@ class BeamSearchState:
         generated = len(self.live[0].tokens) + 1
         at_limit = generated >= self.max_tokens
         running: list[_Beam] = []
+        parents: list[int] = []
         for rank, (cum, i, tid) in enumerate(candidates[:k]):
             parent = self.live[i]
             beam = _Beam(parent.tokens + [tid], parent.logprobs + [position_logprobs[i]], cum)
@@ -133,9 +140,10 @@ class BeamSearchState:
                 self.finished.append((cum / generated ** self.params.length_penalty, beam, reason))
             elif not ends and len(running) < width:
                 running.append(beam)
+                parents.append(i)
         self.finished.sort(key=lambda f: -f[0])
         del self.finished[width:]
-        self.live = running
+        self.live, self.parents = running, parents
         self.done = at_limit or not running or self._cannot_improve(generated)
 
     def _cannot_improve(self, generated: int) -> bool:
@@ -181,16 +189,27 @@ def new_search(inputs: InputProcessor, prompt: PromptType, params: BeamSearchPar
     return state
 
 
-def beam_search(engine: LLMEngine, prompts: Sequence[PromptType],
-                params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Search every prompt at once: each step sends the live beams of all prompts as one batch."""
+def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSearchParams,
+                share_kv: bool = True) -> list[BeamSearchOutput]:
+    """Search every prompt at once: each step sends the live beams of all prompts as one batch.
+    share_kv=False computes each step request apart (its prefix only through the prefix cache)."""
     states = [new_search(engine.input_processor, prompt, params) for prompt in prompts]
-    while live := [s for s in states if not s.done]:
-        outputs = _run_step(engine, [(s, ids) for s in live for ids in s.pending()])
-        for state in live:
-            n = len(state.live)
-            state.advance([position_logprobs(o) for o in outputs[:n]])
-            outputs = outputs[n:]
+    kept: dict[int, list[str]] = {}  # per state (by index): its live beams' step requests, whose blocks are kept
+    try:
+        while live := [(n, s) for n, s in enumerate(states) if not s.done]:
+            requests = [(s, ids, _sharing(kept.get(n), s, b, share_kv))
+                        for n, s in live for b, ids in enumerate(s.pending())]
+            request_ids, outputs = _run_step(engine, requests, [i for ids in kept.values() for i in ids])
+            spans: list[tuple[int, int]] = []  # each live state's requests: [start, end) in the step's
+            for _, state in live:
+                start = spans[-1][1] if spans else 0
+                spans.append((start, start + len(state.live)))
+            # all kept before any advance, which may raise: the finally releases them
+            kept = {n: request_ids[a:b] if share_kv else [] for (n, _), (a, b) in zip(live, spans, strict=True)}
+            for (_, state), (a, b) in zip(live, spans, strict=True):
+                state.advance([position_logprobs(o) for o in outputs[a:b]])
+    finally:  # an interrupted search too leaves no kept block behind
+        engine.release_kv([i for ids in kept.values() for i in ids])
     decode = _decoder(engine.get_tokenizer())
     return [s.result(decode) for s in states]
 
@@ -199,21 +218,48 @@ async def beam_search_async(engine: AsyncLLM, prompt: PromptType, params: BeamSe
     """One prompt's search over the server's AsyncLLM: each step's beams are concurrent requests, so
     they pass its admission limits as beam_width requests (QueueFullError when they do not fit)."""
     state = new_search(engine.input_processor, prompt, params)
-    while not state.done:
-        tasks = [asyncio.ensure_future(_final_output(engine, ids, step_params(state))) for ids in state.pending()]
-        try:
-            outputs = await asyncio.gather(*tasks)
-        except BaseException:  # one failed (or the caller cancelled): the others are aborted
-            for task in tasks:
-                task.cancel()
-            raise
-        state.advance([position_logprobs(o) for o in outputs])
+    kept: list[str] = []
+    try:
+        while not state.done:
+            ids = [f"beam-{uuid.uuid4().hex}" for _ in state.live]
+            streams: list[RequestStream] = []
+            try:
+                for b, (token_ids, rid) in enumerate(zip(state.pending(), ids, strict=True)):
+                    streams.append(engine.add_request({"prompt_token_ids": token_ids}, step_params(state), rid,
+                                                      kv=_sharing(kept, state, b, True)))
+            except BaseException:  # (QueueFullError): the ones added are aborted
+                for stream in streams:
+                    stream.abort()
+                raise
+            finally:  # the requests added have forked the parents' blocks they need
+                engine.release_kv(kept)
+                kept = ids
+            tasks = [asyncio.ensure_future(_final_output(stream)) for stream in streams]
+            try:
+                outputs = await asyncio.gather(*tasks)
+            except BaseException:  # one failed (or the caller cancelled): the others are aborted
+                for task in tasks:
+                    task.cancel()
+                for stream in streams:
+                    stream.abort()
+                raise
+            state.advance([position_logprobs(o) for o in outputs])
+    finally:
+        engine.release_kv(kept)
     return state.result(_decoder(engine.get_tokenizer()))
 
 
-async def _final_output(engine: AsyncLLM, token_ids: list[int], params: SamplingParams) -> RequestOutput:
+def _sharing(kept: list[str] | None, state: BeamSearchState, beam: int, share_kv: bool) -> KVSharing | None:
+    """A step request's KV sharing: kept once finished, started from the blocks of the request of the
+    beam it extends (none on the first step)."""
+    if not share_kv:
+        return None
+    return KVSharing(hold=True, parent=kept[state.parents[beam]] if kept else None)
+
+
+async def _final_output(stream: RequestStream) -> RequestOutput:
     last = None
-    async for out in engine.generate({"prompt_token_ids": token_ids}, params):
+    async for out in stream:
         last = out
     if last is None:
         raise RuntimeError("a beam search step request ended without an output")
@@ -224,21 +270,27 @@ def _decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:
     return None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
 
 
-def _run_step(engine: LLMEngine, requests: list[tuple[BeamSearchState, list[int]]]) -> list[RequestOutput]:
+def _run_step(engine: LLMEngine, requests: list[tuple[BeamSearchState, list[int], KVSharing | None]],
+              release: list[str]) -> tuple[list[str], list[RequestOutput]]:
+    """Add the step's requests, release the kept blocks of `release` (the requests just added share
+    what they need of them), run the engine until every request is answered."""
     ids: list[str] = []
     results: dict[str, RequestOutput] = {}
     try:
-        for state, token_ids in requests:
-            ids.append(engine.add_request(None, {"prompt_token_ids": token_ids}, step_params(state)))
+        for state, token_ids, kv in requests:
+            ids.append(engine.add_request(None, {"prompt_token_ids": token_ids}, step_params(state), kv=kv))
+        engine.release_kv(release)
         while engine.has_unfinished_requests():
             results.update((o.request_id, o) for o in engine.step() if o.finished)
     except BaseException:  # an interrupted search leaves no request (and no KV block) behind
         engine.abort_request([i for i in ids if i not in results])
+        engine.release_kv(release + ids)
         raise
     missing = [i for i in ids if i not in results]
     if missing:
+        engine.release_kv(ids)
         raise RuntimeError(f"the engine finished without answering beam search step requests {missing}")
-    return [results[i] for i in ids]
+    return ids, [results[i] for i in ids]
 
 
 def _is_int(x: object) -> bool:

@@ -55,7 +55,7 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already running")
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                            req.eos_token_ids, req.arrival_time or None, req.priority,
-                                           req.priority_class, req.group))
+                                           req.priority_class, req.group, req.hold_kv, req.kv_parent))
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.stats(), time.time())

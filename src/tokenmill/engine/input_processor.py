@@ -20,6 +20,15 @@ from tokenmill.structured.grammar import check_structured_outputs
 PromptType = str | list[int] | dict[str, Any]
 
 
+@dataclass(frozen=True)
+class KVSharing:
+    """How a request shares KV blocks with others (beam search): `hold` keeps its blocks once it
+    finishes, until it is aborted; `parent` names a kept request whose blocks it starts from."""
+
+    hold: bool = False
+    parent: str | None = None
+
+
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
@@ -120,7 +129,7 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None, priority_class: int = 0,
-                     group: str = "") -> EngineCoreRequest:
+                     group: str = "", kv: KVSharing | None = None) -> EngineCoreRequest:
         vocab = self.config.arch.vocab_size
         check_token_ids(params.logit_bias, vocab, "logit_bias")  # the sampler indexes logits with these
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
@@ -132,4 +141,5 @@ class InputProcessor:
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)
         return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
-                                 arrival_time or time.time(), priority, priority_class, group)
+                                 arrival_time or time.time(), priority, priority_class, group,
+                                 kv is not None and kv.hold, kv.parent if kv is not None else None)

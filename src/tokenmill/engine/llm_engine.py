@@ -10,7 +10,7 @@ from typing import Any
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.core.messages import SchedulerStats
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from tokenmill.engine.input_processor import InputProcessor, KVSharing, PromptType, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ class LLMEngine:
         return cls(args.create_engine_config(), skip_tokenizer_init)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0) -> str:
+                    priority: int = 0, kv: KVSharing | None = None) -> str:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -49,12 +49,21 @@ class LLMEngine:
         now = time.time()
         children = child_requests(request_id, params)
         # validate all before registering any: a rejected request must leave nothing behind
-        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now, kv=kv)
+                    for cid, cp in children]
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
                                           [cid for cid, _ in children], now)
-        for req in requests:
-            self.core.add_request(req)
+        try:
+            for req in requests:
+                self.core.add_request(req)
+        except BaseException:  # (the core took none: its ids are checked before it adds any)
+            self.output_processor.abort(request_id)
+            raise
         return request_id
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Release the blocks that finished requests added with KVSharing(hold=True) keep."""
+        self.core.abort_requests(request_ids)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         results = []

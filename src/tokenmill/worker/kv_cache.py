@@ -63,6 +63,14 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> KVCacheTe
     return KVCacheTensors(by_layer, groups, scales)
 
 
+def copy_blocks(caches: KVCacheTensors, pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write: each (source, destination) block's contents, in order, in every group's tensor
+    (every layer's K and V or latents, and a quantized group's scales)."""
+    for tensor, dim in caches.groups:
+        for src, dst in pairs:
+            tensor.select(dim, dst).copy_(tensor.select(dim, src))
+
+
 def bind_kv_caches(model: nn.Module, caches: KVCacheTensors, backend: AttentionBackend) -> None:
     layers = attention_layers(model)
     if set(layers) != set(caches.by_layer):

@@ -20,7 +20,7 @@ from tokenmill.spec_decode.proposer import ProposalInput, Proposer
 from tokenmill.worker.cuda_graphs import DecodeGraphs, graphable
 from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
-from tokenmill.worker.kv_cache import KVCacheTensors
+from tokenmill.worker.kv_cache import KVCacheTensors, copy_blocks
 from tokenmill.worker.memory import BackgroundPopulate
 from tokenmill.worker.sampler import Sampler, SamplerOutput, topn_logprobs
 from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingTable
@@ -35,6 +35,7 @@ class PreparedStep:
     rows: OutputRows | None  # the rows whose outputs are used, where that is fewer than all
     sampling: SamplingMetadata | None  # the sampled rows' parameters; None: the step samples nothing
     failed: dict[str, str] = field(default_factory=dict)  # scheduled requests left out: their errors
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step runs
 
 
 class ModelRunner:
@@ -91,7 +92,7 @@ class ModelRunner:
         if failed:
             so = _without(so, failed)
         if so.total_num_scheduled_tokens == 0:
-            return PreparedStep(None, None, None, None, failed) if failed else None
+            return PreparedStep(None, None, None, None, failed, so.blocks_to_copy) if failed else None
         step = build_step(self.states, so, self.block_size)
         sampling = None
         if step.sample_states:  # gathered here: the next step's prepare may change the table while this runs
@@ -108,17 +109,19 @@ class ModelRunner:
             # only the sampled rows need the last layer's output (prompt logprobs need every row's)
             rows = output_rows(meta, step.logits_indices, step.logits_seqs)
             self.backend.prepare(rows.meta, self.device)
-        return PreparedStep(step, meta, rows, sampling, failed)
+        return PreparedStep(step, meta, rows, sampling, failed, so.blocks_to_copy)
 
     def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
         """Run a prepared step; steps must execute in the order they were prepared."""
         if prepared is None:
             return ModelRunnerOutput([], [])
-        if prepared.step is None or prepared.meta is None:
-            return ModelRunnerOutput([], [], failed=prepared.failed)
         with contextlib.ExitStack() as stack:
             for populate in self._populate:
                 stack.enter_context(populate.paused())
+            if prepared.blocks_to_copy:  # after every earlier step's writes, before this one's
+                copy_blocks(self.kv_caches, prepared.blocks_to_copy)
+            if prepared.step is None or prepared.meta is None:
+                return ModelRunnerOutput([], [], failed=prepared.failed)
             out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling)
             if self.proposer is not None and prepared.step.sample_states and getattr(self.proposer, "active", True):
                 out.spec_token_ids = self._propose(prepared.step, out)

@@ -356,8 +356,9 @@ class OpenAIServingResponses(OpenAIServing):
             raise bad_request(str(e), "text") from None
         try:
             params = self.sampling_params(sampling, max_tokens, stream=bool(req.stream), constraint=job.plan.constraint)
-        except APIError as e:
-            e.param = "text" if e.param == "response_format" else e.param
+        except APIError as e:  # the chat endpoint's field is this one's text.format
+            if e.param == "response_format":
+                e.param, e.message = "text", e.message.replace("response_format", "text.format")
             raise
         streams = self.submit([job.prompt], [params], job.skeleton.id)
         if req.stream:

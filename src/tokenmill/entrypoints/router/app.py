@@ -53,13 +53,14 @@ class RouterConfig:
 
 def routing_key(path: str, body: dict[str, Any]) -> str | list[int]:
     """What prefix affinity hashes: the (first) prompt, or the chat messages as role-tagged text."""
-    if path == "/v1/chat/completions":
+    if path == "/v1/chat/completions":  # any shape may come: the replica, not the router, rejects a bad body
         parts = []
-        for m in body.get("messages") or []:
+        messages = body.get("messages")
+        for m in messages if isinstance(messages, list) else []:
             if isinstance(m, dict):
                 content = m.get("content")
                 if isinstance(content, list):
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                    content = "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
                 parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}")
         return "".join(parts)
     prompt = body.get("prompt" if path == "/v1/completions" else "input")
@@ -67,7 +68,8 @@ def routing_key(path: str, body: dict[str, Any]) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63
+                                        for t in prompt):
         return prompt
     return ""
 
