@@ -2,10 +2,12 @@
 (kernels: `decode_layers`), or embedding, layers, lm_head and argmax in one (`decode_greedy`).
 
 The runner builds it for a model that describes itself as a `DecoderLayout` (models/interface.py),
-on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes;
-the C++ calls run the same kernels in the same order as the Python layer loop with that backend, so
-they give the same tokens. It reads the backend's decode tables through `CpuBackend.decode_tables`.
-It takes bf16 caches only: with a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) it declines and
+on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes, or
+a quantized one (int8, int4, W8A8) that its method runs with the C++ kernels (`fused_projection`); the
+C++ calls run the same kernels in the same order as the Python layer loop with that backend, so they
+give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS rows (the torch reference
+beyond), so a model with them is fused up to that many rows. It reads the backend's decode tables through
+`CpuBackend.decode_tables`. It takes bf16 caches only: with a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) it declines and
 the Python layer loop runs, whose attention reads the quantized cache in C++.
 """
 
@@ -18,6 +20,7 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu import CpuBackend
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+from tokenmill.layers.quantization import FusedProjection, fused_projection
 from tokenmill.models.interface import DecoderLayout, SupportsDecoderLayout
 
 
@@ -28,28 +31,49 @@ def _gemv_ptr(layer: LinearBase) -> int:
     return layer.method.gemv_data_ptr(layer)
 
 
+def _fusable(layer: LinearBase) -> bool:
+    return (layer.packed and _gemv_ptr(layer) != 0) or fused_projection(layer) is not None
+
+
 class FusedDecode:
     def __init__(self, layout: DecoderLayout, ops: Any, backend: CpuBackend) -> None:
         self.ops = ops
         self.backend = backend
         weights: list[torch.Tensor] = []
         ptrs: list[int] = []
+        quant: list[torch.Tensor] = []
+        kinds: list[int] = []
+        self.max_rows: int | None = None  # the most rows of a step it takes (None: any)
+        empty = layout.final_norm.new_empty(0)
         for layer in layout.layers:
-            bias = layer.qkv.bias if layer.qkv.bias is not None else layout.final_norm.new_empty(0)
-            weights += [layer.input_norm, layer.qkv.weight, bias, layer.o_proj.weight, layer.post_norm,
-                        layer.gate_up.weight, layer.down.weight]
-            ptrs += [_gemv_ptr(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            projections = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            fused = [fused_projection(m) for m in projections]
+            w = [f.weight if f is not None else m.weight for m, f in zip(projections, fused, strict=True)]
+            bias = layer.qkv.bias if layer.qkv.bias is not None else empty
+            weights += [layer.input_norm, w[0], bias, w[1], layer.post_norm, w[2], w[3]]
+            ptrs += [_gemv_ptr(m) for m in projections]
+            for f in fused:
+                quant += list(f.quant) if f is not None else [empty, empty]
+                kinds += list(f.kind) if f is not None else [0, 0, 0]
+                self._take_rows(f)
         self.gemv_ptrs = torch.tensor(ptrs, dtype=torch.int64)
+        quantized = any(kinds)
+        self.quant = quant if quantized else []
+        self.linear_kinds = torch.tensor(kinds if quantized else [], dtype=torch.int64)
         self.kv_caches = [layer.kv_cache for layer in layout.layers]
         # what every call passes, gathered once: module attribute lookups cost more than the Python call
         self._static = (layout.cos, layout.sin, weights, self.gemv_ptrs, layout.final_norm)
         self._dims = (layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.rms_norm_eps, layout.scale,
-                      layout.sliding_window or 0, True)
+                      layout.sliding_window or 0, True, self.quant, self.linear_kinds)
         self.embed = layout.embed
         lm_head = layout.lm_head
         self._lm_head: tuple[Any, ...] | None = None
         if lm_head.packed:
             self._lm_head = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, _gemv_ptr(lm_head))
+
+    def _take_rows(self, f: FusedProjection | None) -> None:
+        if f is not None and f.max_rows is not None:
+            self.max_rows = f.max_rows if self.max_rows is None else min(self.max_rows, f.max_rows)
 
     @classmethod
     def create(cls, model: Any, ops: Any, backend: Any) -> FusedDecode | None:
@@ -64,12 +88,15 @@ class FusedDecode:
         if any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers):
             return None
         for layer in layout.layers:
-            if not all(m.packed and _gemv_ptr(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):
+            if not all(_fusable(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):
                 return None
         return cls(layout, ops, backend)
 
     def applies(self, meta: AttentionMetadata, num_rows: int) -> bool:
-        """Whether this step is one the fused call takes: pure decode, with the C++ decode tables."""
+        """Whether this step is one the fused call takes: pure decode, with the C++ decode tables, and no
+        more rows than its quantized projections' kernels take."""
+        if self.max_rows is not None and num_rows > self.max_rows:
+            return False
         return meta.num_decodes == num_rows and self.backend.decode_tables(meta) is not None
 
     def _args(self, meta: AttentionMetadata) -> tuple[Any, ...]:

@@ -112,6 +112,7 @@ class QuantizedLinearMethod:
             _set(layer, "weight_sum", wsum)
         else:
             _set(layer, "qweight", w.q)
+            _set(layer, "weight_sum", ref.weight_sum(w.q))
         _set(layer, "scales", w.scale.float())
         perm = w.perm.to(w.scale.device) if w.perm is not None else None
         layer.__dict__["quant_layout"] = QuantLayout(self.cfg.scheme, group, perm)
@@ -138,13 +139,42 @@ class QuantizedLinearMethod:
                                self.dequantized_weight(layer) if layout.input_perm is None
                                else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size), bias)
         elif layout.scheme == "int8":
-            y = kernels.int8_linear(rows, q, scales, bias)
+            y = kernels.int8_linear(rows, q, scales, _t(layer, "weight_sum"), bias)
         else:
             if layout.input_perm is not None:
                 rows = rows[:, layout.input_perm]
             y = kernels.int4_linear(rows, q, scales, _t(layer, "zeros"), k, layout.group_size, bias)
         out: torch.Tensor = y.view(*x.shape[:-1], layer.output_size)
         return out
+
+
+# the fused decode loop's projection kinds (kernels/cpu/fused_decode/decode_layers.cpp, enum Kind)
+FUSED_KINDS = {"int8": 1, "int4": 2, "w8a8": 3}
+
+
+@dataclass(frozen=True)
+class FusedProjection:
+    """What the fused decode loop calls for one quantized layer: the op `apply` calls, on these tensors."""
+
+    weight: torch.Tensor
+    quant: tuple[torch.Tensor, torch.Tensor]  # scales, and the row sums (int8, W8A8) or zero points (int4)
+    kind: tuple[int, int, int]  # FUSED_KINDS[scheme], in_features, group
+    max_rows: int | None  # the most rows `apply` gives to that op (beyond them, the torch reference)
+
+
+def fused_projection(layer: LinearBase) -> FusedProjection | None:
+    """The layer as the fused decode loop runs it, or None where `apply` does not run a C++ kernel for
+    it (no kernels, GPTQ act-order's column order)."""
+    method = layer.method
+    if not isinstance(method, QuantizedLinearMethod) or method.kernels is None:
+        return None
+    layout = layout_of(layer)
+    if layout.input_perm is not None:
+        return None
+    aux = _t(layer, "zeros") if layout.scheme == "int4" else _t(layer, "weight_sum")
+    return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux),
+                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size),
+                           None if layout.scheme == "w8a8" else KERNEL_MAX_ROWS)
 
 
 def reference_method(cfg: QuantConfig) -> QuantizedLinearMethod:

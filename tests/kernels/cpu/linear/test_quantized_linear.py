@@ -18,8 +18,10 @@ from tokenmill.layers.quantization import reference as ref
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_quantized_linear(),
                                 reason="quantized kernels unavailable (no AVX-512 BW/VNNI)")
-# (rows of x, outputs, K): K on and off the group and the 16/32/64 runs, 1 to 7 outputs, row tiles and tails
-SHAPES = [(1, 1, 32), (3, 7, 70), (7, 5, 200), (13, 33, 130), (4, 96, 256)]
+# (rows of x, outputs, K): K on and off the group and the 16/32/64 runs, 1 to 7 outputs, row tiles and tails;
+# bf16 x of up to 16 rows takes the limb kernels (int4: K and group multiples of 128), 17 rows the float ones
+SHAPES = [(1, 1, 32), (3, 7, 70), (7, 5, 200), (13, 33, 130), (4, 96, 256), (1, 9, 384), (6, 11, 512),
+          (17, 6, 256)]
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, magnitude: torch.Tensor) -> None:
@@ -35,7 +37,7 @@ def test_int8(m: int, n: int, k: int, dtype: torch.dtype) -> None:
     q, scale = ref.rtn_int8(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    got = OPS.int8_linear(x, q, scale, bias)
+    got = OPS.int8_linear(x, q, scale, ref.weight_sum(q), bias)
     assert got.dtype == dtype and got.shape == (m, n)
     w = ref.dequantize_int8(q, scale)
     _close(got, ref.linear_ref(x, w, bias), dtype, x.float().abs() @ w.abs().T + bias.float().abs())
@@ -78,7 +80,8 @@ def test_every_row_count(m: int) -> None:
     gen = torch.Generator().manual_seed(m)
     w, x = torch.randn(6, 100, generator=gen), torch.randn(m, 100, generator=gen)
     q, scale = ref.rtn_int8(w)
-    _close(OPS.int8_linear(x, q, scale, None), ref.linear_ref(x, ref.dequantize_int8(q, scale), None), torch.float32,
+    w8 = ref.dequantize_int8(q, scale)
+    _close(OPS.int8_linear(x, q, scale, ref.weight_sum(q), None), ref.linear_ref(x, w8, None), torch.float32,
            x.abs() @ w.abs().T)
     q4, s4, z4 = ref.rtn_int4(w, 32, True)
     w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 100, 32)
@@ -102,7 +105,7 @@ def test_w8a8_reference_is_close_to_the_float_product() -> None:
 def test_kernels_check_their_input() -> None:
     q, scale = ref.rtn_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="x must be"):
-        OPS.int8_linear(torch.randn(2, 63), q, scale, None)
+        OPS.int8_linear(torch.randn(2, 63), q, scale, ref.weight_sum(q), None)
     with pytest.raises(RuntimeError, match="group"):
         OPS.int4_linear(torch.randn(2, 64), torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2),
                         torch.ones(8, 2), 64, 48, None)

@@ -7,7 +7,8 @@
 // rotary_, write_kv_, paged_decode, silu_and_mul), in the same order on the same data, so its output is
 // bitwise the output of the Python loop; the Python loop stays the reference it is tested against. The
 // GEMV and the attention block's kernels are called by their raw entry points (kernels.h), the rest
-// through the dispatcher.
+// through the dispatcher. Quantized projections (int8, int4, W8A8) call the ops QuantizedLinearMethod.apply
+// calls, with the same tensors (linear_kinds and quant say which and with what).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -32,12 +33,18 @@ using RmsNorm = at::Tensor(T, T, double, const OptTensor&);
 using Gemv = at::Tensor(T, T, const OptTensor&);
 using SiluAndMul = at::Tensor(T);
 using ArgmaxRows = at::Tensor(T);
+using Int8Linear = at::Tensor(T, T, T, T, const OptTensor&);
+using Int4Linear = at::Tensor(T, T, T, T, int64_t, int64_t, const OptTensor&);
+using W8A8Linear = at::Tensor(T, T, T, T, int64_t, const OptTensor&);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
   c10::TypedOperatorHandle<Gemv> gemv = find_op<Gemv>("tokenmill_cpu::packed_gemv");
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = find_op<SiluAndMul>("tokenmill_cpu::silu_and_mul");
   c10::TypedOperatorHandle<ArgmaxRows> argmax_rows = find_op<ArgmaxRows>("tokenmill_cpu::argmax_rows");
+  c10::TypedOperatorHandle<Int8Linear> int8_linear = find_op<Int8Linear>("tokenmill_cpu::int8_linear");
+  c10::TypedOperatorHandle<Int4Linear> int4_linear = find_op<Int4Linear>("tokenmill_cpu::int4_linear");
+  c10::TypedOperatorHandle<W8A8Linear> w8a8_linear = find_op<W8A8Linear>("tokenmill_cpu::w8a8_linear");
 };
 
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
@@ -59,9 +66,30 @@ at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const
   return stack.at(0).toTensor();
 }
 
+// A projection's kind in linear_kinds (kind, in_features, group per projection): what QuantizedLinearMethod.apply
+// calls for it (kernels/cpu/linear/quantized.cpp), with scales and aux (int8, W8A8: the weight's row sums;
+// int4: the zero points) from the quant list
+enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kW8A8 = 3 };
+constexpr int64_t KIND_FIELDS = 3, QUANT_PER_PROJECTION = 2;
+
+struct Projection {
+  const int64_t* kind;    // null: every projection is a packed bf16 weight
+  const at::Tensor* quant;  // scales, aux
+};
+
 const Ops& ops() {
   static const Ops instance;  // looked up on first use, after every kernel file has registered
   return instance;
+}
+
+at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
+                   int64_t w_ptr, const Projection& p) {
+  switch (p.kind ? p.kind[0] : kFloat) {
+    case kInt8: return op.int8_linear.call(x, w, p.quant[0], p.quant[1], bias);
+    case kInt4: return op.int4_linear.call(x, w, p.quant[0], p.quant[1], p.kind[1], p.kind[2], bias);
+    case kW8A8: return op.w8a8_linear.call(x, w, p.quant[0], p.quant[1], p.kind[1], bias);
+    default: return linear(op, x, w, bias, gemv, w_ptr);
+  }
 }
 
 constexpr int64_t PER_LAYER = 7;  // input norm, qkv, qkv bias (empty: none), o, post norm, gate_up, down
@@ -76,8 +104,21 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
                          const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
-                         bool gemv) {
+                         bool gemv, at::TensorList quant, const at::Tensor& linear_kinds) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(linear_kinds.numel() == 0 ||
+                  (linear_kinds.scalar_type() == at::kLong && linear_kinds.is_contiguous() &&
+                   linear_kinds.numel() == layers * 4 * KIND_FIELDS &&
+                   static_cast<int64_t>(quant.size()) == layers * 4 * QUANT_PER_PROJECTION),
+              "decode_layers: linear_kinds must be empty or int64 [layers * 4 * ", KIND_FIELDS, "] with ",
+              QUANT_PER_PROJECTION, " quant tensors per projection");
+  const int64_t* kinds = linear_kinds.numel() ? linear_kinds.data_ptr<int64_t>() : nullptr;
+  // projection i of layer l (qkv, o, gate_up, down)
+  auto proj = [&](int64_t l, int64_t i) {
+    const int64_t at = l * 4 + i;
+    return Projection{kinds ? kinds + at * KIND_FIELDS : nullptr,
+                      kinds ? quant.data() + at * QUANT_PER_PROJECTION : nullptr};
+  };
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER, "decode_layers: ", PER_LAYER,
               " weights per layer expected");
   TORCH_CHECK(h_in.dim() == 2 && h_in.is_contiguous(), "decode_layers: h must be contiguous [T, hidden]");
@@ -122,7 +163,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
       x = op.rms_norm.call(h, w[0], eps, OptTensor(residual));
     }
     const int64_t* lp = wp ? wp + l * 4 : nullptr;  // this layer's qkv, o, gate_up and down addresses
-    const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv, lp ? lp[0] : 0);
+    const at::Tensor qkv = project(op, x, w[1], bias_or_none(w[2]), gemv, lp ? lp[0] : 0, proj(l, 0));
     auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
     uint16_t* k = q + q_size;
     const uint16_t* v = k + kv_size;
@@ -137,10 +178,10 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, block_tables.data_ptr<int32_t>(),
                                  seq_lens.data_ptr<int32_t>(), o_p, t, num_heads, num_kv_heads, head_dim, block_size,
                                  block_tables.size(1), static_cast<float>(scale), window);
-    h = linear(op, o, w[3], OptTensor(), gemv, lp ? lp[1] : 0);
+    h = project(op, o, w[3], OptTensor(), gemv, lp ? lp[1] : 0, proj(l, 1));
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
-    const at::Tensor gate_up = linear(op, x, w[5], OptTensor(), gemv, lp ? lp[2] : 0);
-    h = linear(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv, lp ? lp[3] : 0);
+    const at::Tensor gate_up = project(op, x, w[5], OptTensor(), gemv, lp ? lp[2] : 0, proj(l, 2));
+    h = project(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv, lp ? lp[3] : 0, proj(l, 3));
   }
   return op.rms_norm.call(h, final_norm, eps, OptTensor(residual));
 }
@@ -151,8 +192,9 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          const at::Tensor& gemv_ptrs, const at::Tensor& final_norm, at::TensorList kv_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         int64_t window, bool gemv, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
-                         bool lm_head_gemv, int64_t lm_head_ptr) {
+                         int64_t window, bool gemv, at::TensorList quant, const at::Tensor& linear_kinds,
+                         const at::Tensor& lm_head, const OptTensor& lm_head_bias, bool lm_head_gemv,
+                         int64_t lm_head_ptr) {
   // the embedding's rows, copied as at::embedding copies them, without that op's per-call overhead
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
@@ -168,7 +210,7 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
   }
   const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
-                                     scale, window, gemv);
+                                     scale, window, gemv, quant, linear_kinds);
   return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr));
 }
 
@@ -177,11 +219,13 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor gemv_ptrs, "
         "Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, bool gemv) -> Tensor");
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, bool gemv, "
+        "Tensor[] quant, Tensor linear_kinds) -> Tensor");
   m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor gemv_ptrs, Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
-        "bool gemv, Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr) -> Tensor");
+        "bool gemv, Tensor[] quant, Tensor linear_kinds, Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, "
+        "int lm_head_ptr) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
