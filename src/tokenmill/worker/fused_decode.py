@@ -7,8 +7,8 @@ a quantized one (int8, int4, W8A8) that its method runs with the C++ kernels (`f
 C++ calls run the same kernels in the same order as the Python layer loop with that backend, so they
 give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS rows (the torch reference
 beyond), so a model with them is fused up to that many rows. It reads the backend's decode tables through
-`CpuBackend.decode_tables`. It takes bf16 caches only: with a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) it declines and
-the Python layer loop runs, whose attention reads the quantized cache in C++.
+`CpuBackend.decode_tables`. It takes bf16 caches only: with a quantized KV cache (--kv-cache-dtype int8 /
+fp8_e4m3) it declines and the Python layer loop runs, whose attention reads the quantized cache in C++.
 """
 
 from __future__ import annotations
