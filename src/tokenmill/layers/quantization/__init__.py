@@ -7,7 +7,9 @@ loading into the layout tokenmill's kernels read (`reference.py`) and drops them
 a weight stays in memory. `apply` runs the C++ kernels (kernels/cpu/linear/quantized.cpp), which
 dequantize in registers, where they are built and the CPU has AVX-512 BW and VNNI; elsewhere, and for
 W8A16/W4A16 batches over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
-then a float matmul). The lm_head stays a float layer (`lm_head_method`), as the formats leave it.
+then a float matmul). W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
+oneDNN-packed copy of the weight (the same integer products; AMX on CPUs that have it). The lm_head
+stays a float layer (`lm_head_method`), as the formats leave it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tokenmill.quantization_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the kernels take; larger batches are compute-bound matmuls
+W8A8_VNNI_MAX_ROWS = 16  # W8A8: rows the VNNI kernel takes; oneDNN's int8 matmul (AMX where there is one) beyond
 REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")
 
 
@@ -53,6 +56,20 @@ def quantized_kernels(ops: Any) -> Any:
                     ", ".join(missing) or "the build's AVX-512 BW/VNNI")
         return None
     return ops
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_int8_available() -> bool:
+    """Whether this torch has oneDNN's int8 linear ops (onednn.qlinear_prepack / qlinear_pointwise) and
+    they run here."""
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 64, dtype=torch.int8), None)
+        y = torch.ops.onednn.qlinear_pointwise(torch.ones(2, 64, dtype=torch.int8), 1.0, 0, packed,
+                                               torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+        return bool((y == 64).all())
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _set(layer: LinearBase, name: str, t: torch.Tensor) -> None:
@@ -110,6 +127,11 @@ class QuantizedLinearMethod:
             padded, wsum = ref.w8a8_layout(w.q)
             _set(layer, "qweight", padded)
             _set(layer, "weight_sum", wsum)
+            if self.kernels is not None and onednn_int8_available():
+                # a second int8 copy, in oneDNN's packed layout, for the compute-bound batches
+                layer.onednn_qweight = nn.Parameter(torch.ops.onednn.qlinear_prepack(w.q.contiguous(), None),
+                                                    requires_grad=False)
+                layer.__dict__["onednn_zero"] = torch.zeros(w.q.shape[0], dtype=torch.int64)
         else:
             _set(layer, "qweight", w.q)
             _set(layer, "weight_sum", ref.weight_sum(w.q))
@@ -132,8 +154,16 @@ class QuantizedLinearMethod:
         kernels = self.kernels if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32) else None
         q, scales, k, bias = _t(layer, "qweight"), _t(layer, "scales"), layer.input_size, layer.bias
         if layout.scheme == "w8a8":
-            y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
-                 else ref.w8a8_ref(rows, q, scales, k, bias))
+            if kernels is not None and rows.shape[0] > W8A8_VNNI_MAX_ROWS and hasattr(layer, "onednn_qweight"):
+                # the same integer products by oneDNN, each row's scale after
+                xq, xs = kernels.quantize_rows_int8(rows.contiguous())
+                dots = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, layer.onednn_qweight, scales,
+                                                          layer.__dict__["onednn_zero"], None, 1.0, 0, torch.float32,
+                                                          "none", [], "")
+                y = kernels.scale_rows(dots, xs, bias, rows.dtype)
+            else:
+                y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
+                     else ref.w8a8_ref(rows, q, scales, k, bias))
         elif kernels is None or rows.shape[0] > KERNEL_MAX_ROWS:
             y = ref.linear_ref(rows if layout.input_perm is None else rows[:, layout.input_perm],
                                self.dequantized_weight(layer) if layout.input_perm is None
@@ -172,9 +202,11 @@ def fused_projection(layer: LinearBase) -> FusedProjection | None:
     if layout.input_perm is not None:
         return None
     aux = _t(layer, "zeros") if layout.scheme == "int4" else _t(layer, "weight_sum")
+    max_rows: int | None = KERNEL_MAX_ROWS
+    if layout.scheme == "w8a8":
+        max_rows = W8A8_VNNI_MAX_ROWS if hasattr(layer, "onednn_qweight") else None
     return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux),
-                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size),
-                           None if layout.scheme == "w8a8" else KERNEL_MAX_ROWS)
+                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size), max_rows)
 
 
 def reference_method(cfg: QuantConfig) -> QuantizedLinearMethod:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers.quantization import onednn_int8_available
 from tokenmill.layers.quantization import reference as ref
 
 OPS = load_cpu_kernels()
@@ -90,6 +91,30 @@ def test_every_row_count(m: int) -> None:
     padded, wsum = ref.w8a8_layout(q)
     expected = ref.w8a8_ref(x, padded, scale, 100, None)
     torch.testing.assert_close(OPS.w8a8_linear(x, padded, scale, wsum, 100, None), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_by_onednn_int8(dtype: torch.dtype) -> None:
+    # the batches over W8A8_VNNI_MAX_ROWS: quantize_rows_int8, oneDNN's int8 product, scale_rows; the integer
+    # products are exact, the scaling is fp32 in another order (dots * w_scale, then * x_scale)
+    if not onednn_int8_available():
+        pytest.skip("oneDNN's int8 linear is not available in this torch")
+    gen = torch.Generator().manual_seed(3)
+    q, scale = ref.rtn_int8(torch.randn(40, 200, generator=gen))
+    x = torch.randn(33, 200, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    xq, xs = OPS.quantize_rows_int8(x)
+    expected_q, expected_s = ref.quantize_rows(x)
+    assert torch.equal(xq.float(), expected_q) and torch.equal(xs, expected_s)
+    dots = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, torch.ops.onednn.qlinear_prepack(q, None), scale,
+                                              torch.zeros(40, dtype=torch.int64), None, 1.0, 0, torch.float32,
+                                              "none", [], "")
+    got = OPS.scale_rows(dots, xs, bias, dtype)
+    padded, _ = ref.w8a8_layout(q)
+    expected = ref.w8a8_ref(x, padded, scale, 200, bias)
+    assert got.dtype == dtype
+    magnitude = x.float().abs() @ ref.dequantize_int8(q, scale).abs().T + bias.float().abs()
+    _close(got, expected, dtype, magnitude)
 
 
 def test_w8a8_reference_is_close_to_the_float_product() -> None:

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -462,6 +463,69 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return finish(y, bias, x);
 }
 
+// W8A8 beyond the VNNI kernel's rows (oneDNN's int8 matmul runs the product): x [M, K] (bf16 or fp32) ->
+// (q int8 [M, K], scale fp32 [M]), each row rounded as quantize_rows rounds it (amax / 127, half to even)
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows_int8: x must be contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quantize_rows_int8: bf16 or fp32");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M}, x.options().dtype(at::kFloat));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      auto load = [&](int64_t k) {
+        if (bf16) return load_bf16(reinterpret_cast<const uint16_t*>(xp) + m * K, k, K);
+        const int64_t left = K - k;
+        const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        return _mm512_maskz_loadu_ps(mk, reinterpret_cast<const float*>(xp) + m * K + k);
+      };
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load(k)));
+      const float s = std::max(_mm512_reduce_max_ps(amax), 1e-10f) / 127.0f;
+      sp[m] = s;
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512i v = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(load(k), sv)), lo), hi);
+        const int64_t left = K - k;
+        const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        _mm_mask_storeu_epi8(qp + m * K + k, mk, _mm512_cvtepi32_epi8(v));
+      }
+    }
+  });
+  return {q, scale};
+}
+
+// y fp32 [M, N] (the integer products times each output's scale) times each row's scale, plus bias, as dtype
+at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scale, const c10::optional<at::Tensor>& bias,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat, "scale_rows: y must be fp32 [M, N]");
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == y.size(0), "scale_rows: row_scale");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "scale_rows: bf16 or fp32 out");
+  const int64_t M = y.size(0), N = y.size(1);
+  const bool has_bias = bias.has_value() && bias->defined();
+  const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, y.options().dtype(dtype));
+  const float* yp = y.data_ptr<float>();
+  const float* rs = row_scale.data_ptr<float>();
+  at::BFloat16* ob = dtype == at::kBFloat16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* of = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = yp[m * N + n] * rs[m] + (bp ? bp[n] : 0.0f);
+        if (ob) ob[m * N + n] = static_cast<at::BFloat16>(v);
+        else of[m * N + n] = v;
+      }
+  });
+  return out;
+}
+
 bool has_quantized_linear() { return true; }
 
 }  // namespace
@@ -484,6 +548,10 @@ at::Tensor w8a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
                        const c10::optional<at::Tensor>&) {
   unavailable();
 }
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor&) { unavailable(); }
+at::Tensor scale_rows(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType) {
+  unavailable();
+}
 bool has_quantized_linear() { return false; }
 
 }  // namespace
@@ -496,10 +564,14 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, Tensor zero, int in_features, int group, "
         "Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, int in_features, Tensor? bias) -> Tensor");
+  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("scale_rows(Tensor y, Tensor row_scale, Tensor? bias, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("scale_rows", &scale_rows);
 }
