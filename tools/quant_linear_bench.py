@@ -64,8 +64,8 @@ def _kernel(ops: Any, scheme: str, w: torch.Tensor, group: int) -> tuple[Callabl
         return onednn_int8, q.numel() + scale.numel() * 4
     q4, s4, z4 = ref.rtn_int4(w, group, False)
     packed4 = ref.pack_int4(q4)
-    return ((lambda x: ops.int4_linear(x, packed4, s4, z4, k, group, None)),
-            packed4.numel() + (s4.numel() + z4.numel()) * 4)
+    z4 = z4.new_empty(0)  # symmetric: no zero points, as the layers keep them
+    return ((lambda x: ops.int4_linear(x, packed4, s4, z4, k, group, None)), packed4.numel() + s4.numel() * 4)
 
 
 def main() -> None:

@@ -121,7 +121,8 @@ class QuantizedLinearMethod:
             if int(w.q.max()) > 15:
                 raise ValueError("int4 weights hold values over 15 (is the checkpoint 4-bit?)")
             _set(layer, "qweight", ref.pack_int4(w.q))
-            _set(layer, "zeros", w.zero.float())
+            symmetric = bool((w.zero == 8).all())  # then the kernels read no zero points
+            _set(layer, "zeros", w.zero.new_empty(0).float() if symmetric else w.zero.float())
             group = formats.group_of(self.cfg, layer.input_size)
         elif self.cfg.scheme == "w8a8":
             padded, wsum = ref.w8a8_layout(w.q)

@@ -4,8 +4,9 @@ products the kernel makes).
 
 - int8 (W8A16): `q` int8 [N, K], `scale` fp32 [N], `wsum` int32 [N] (row sums of q); w = q * scale.
 - int4 (W4A16): `packed` uint8 [N, Kp/2], Kp = K padded to 32: in each run of 32 k, byte j holds k = j
-  (low nibble) and k = j + 16 (high nibble), unsigned 0..15; `scale`, `zero` fp32 [N, ceil(K / group)];
-  w = (q - zero) * scale. The padding nibbles are zero and x is zero there.
+  (low nibble) and k = j + 16 (high nibble), unsigned 0..15; `scale`, `zero` fp32 [N, ceil(K / group)]
+  (`zero` empty where every zero point is 8, the symmetric case); w = (q - zero) * scale. The padding
+  nibbles are zero and x is zero there.
 - W8A8: `q` int8 [N, Kp], Kp = K padded to 64 with zeros, `scale` fp32 [N], `wsum` int32 [N] (row sums
   of q); x is quantized per row to int8 with scale amax / 127.
 """
@@ -85,9 +86,10 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int,
                     group: int) -> torch.Tensor:
+    """zero empty: 8 throughout (symmetric)."""
     q = unpack_int4(packed, in_features).float()
     expand = torch.arange(in_features, device=q.device) // group
-    return (q - zero[:, expand]) * scale[:, expand]
+    return (q - (zero[:, expand] if zero.numel() else 8.0)) * scale[:, expand]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@
 // - int8_linear: weight int8 [N, K], scale fp32 [N]: y = (x . w_n) * scale_n.
 // - int4_linear: weight uint8 [N, Kp/2] (Kp = K padded to 32): within each run of 32 k, byte j holds
 //   k = j in its low nibble and k = j + 16 in its high nibble, so one 16-byte load gives two runs of
-//   16 consecutive k. scale and zero fp32 [N, ceil(K / group)]: w = (q - zero) * scale; group is a
+//   16 consecutive k. scale and zero fp32 [N, ceil(K / group)] (zero empty: 8 throughout, the symmetric
+//   case, which then reads no zero points): w = (q - zero) * scale; group is a
 //   multiple of 32 (or covers all of K).
 // - w8a8_linear: weight int8 [N, Kp] (Kp = K padded to 64, with zeros), scale fp32 [N], wsum int32 [N]
 //   (the row sums of the weight). Each row of x is quantized to int8 with its own scale
@@ -95,7 +96,7 @@ void int4_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
           gacc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k + 16), hi, gacc[r]);
         }
       }
-      const float s = scale[n * G + g], sz = s * zero[n * G + g];
+      const float s = scale[n * G + g], sz = s * (zero ? zero[n * G + g] : 8.0f);
       const __m512 sv = _mm512_set1_ps(s);
       for (int r = 0; r < MR; ++r) {
         acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
@@ -230,7 +231,7 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const float s = scale[(n + j) * G + g], sz = s * zero[(n + j) * G + g];
+      const float s = scale[(n + j) * G + g], sz = s * (zero ? zero[(n + j) * G + g] : 8.0f);
       const __m512 sv = _mm512_set1_ps(s);
       for (int r = 0; r < MR; ++r) {
         const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(ah[r][j], 8), al[r][j]);
@@ -361,12 +362,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
               " is not a multiple of 32 and does not cover K");
   const int64_t G = (K + group - 1) / group;
   for (const auto* t : {&scale, &zero}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * G,
-                "int4_linear: scale and zero must be fp32 [N, ", G, "]");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && (t->numel() == N * G || (t == &zero && t->numel() == 0)),
+                "int4_linear: scale and zero must be fp32 [N, ", G, "] (zero empty: symmetric, 8 throughout)");
   }
   check_x(x, K, "int4_linear");
   const uint8_t* wp = weight.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
+  const float *sp = scale.data_ptr<float>(), *zp = zero.numel() ? zero.data_ptr<float>() : nullptr;
   // the limb kernels take whole chunks of 128 k per group; a group's int32 sums stay under 2^31 below 2^15
   if (limb_path(x) && K % 128 == 0 && group % 128 == 0 && group <= 32768 && K % group == 0) {
     const Limbs xl = split_rows(x, K, false, [](int64_t k) {
