@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
                 return None  # the fused path runs dense SiLU-gated MLPs only
             layers.append(DecoderLayerWeights(layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
                                               layer.post_attention_layernorm.weight, mlp.gate_up_proj,
-                                              mlp.down_proj, attn.attn.kv_cache))
+                                              mlp.down_proj, attn.attn.kv_cache, attn.attn.kv_scales))
         return DecoderLayout(self.embed_tokens.weight, layers, self.norm.weight, self.lm_head,
                              self.rotary.cos_cache, self.rotary.sin_cache, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.sliding_window)

@@ -7,8 +7,8 @@ a quantized one (int8, int4, W8A8) that its method runs with the C++ kernels (`f
 C++ calls run the same kernels in the same order as the Python layer loop with that backend, so they
 give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS rows (the torch reference
 beyond), so a model with them is fused up to that many rows. It reads the backend's decode tables through
-`CpuBackend.decode_tables`. It takes bf16 caches only: with a quantized KV cache (--kv-cache-dtype int8 /
-fp8_e4m3) it declines and the Python layer loop runs, whose attention reads the quantized cache in C++.
+`CpuBackend.decode_tables`. A quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) is stored and read by
+the ops the C++ backend calls for it (write_kv_quant_, paged_attention_quant), with each layer's scales.
 """
 
 from __future__ import annotations
@@ -61,10 +61,13 @@ class FusedDecode:
         self.quant = quant if quantized else []
         self.linear_kinds = torch.tensor(kinds if quantized else [], dtype=torch.int64)
         self.kv_caches = [layer.kv_cache for layer in layout.layers]
+        # a quantized cache's K and V scales per layer (empty: bf16 caches)
+        self.kv_scales = [t for layer in layout.layers if layer.kv_scales is not None
+                          for t in (layer.kv_scales.k, layer.kv_scales.v)]
         # what every call passes, gathered once: module attribute lookups cost more than the Python call
         self._static = (layout.cos, layout.sin, weights, self.gemv_ptrs, layout.final_norm)
         self._dims = (layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.rms_norm_eps, layout.scale,
-                      layout.sliding_window or 0, True, self.quant, self.linear_kinds)
+                      layout.sliding_window or 0, True, self.quant, self.linear_kinds, self.kv_scales)
         self.embed = layout.embed
         lm_head = layout.lm_head
         self._lm_head: tuple[Any, ...] | None = None
@@ -85,7 +88,10 @@ class FusedDecode:
         layout = model.decoder_layout()
         if layout is None or layout.cos.dtype != torch.bfloat16 or layout.cos.device.type != "cpu":
             return None
-        if any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers):
+        quantized_kv = [layer.kv_scales is not None for layer in layout.layers]
+        if any(quantized_kv) and not all(quantized_kv):
+            return None
+        if not any(quantized_kv) and any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers):
             return None
         for layer in layout.layers:
             if not all(_fusable(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):

@@ -78,6 +78,20 @@ def test_decode_layers_with_quantized_projections(model_dirs: dict[str, str], na
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bitwise: the same kernels in the same order
 
 
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("int8", None), ("fp8_e4m3", None), ("int8", "int4")])
+@pytest.mark.parametrize("name,num_prompts", [("llama-gqa4-untied", 1), ("qwen2-mha", 4), ("mistral-window", 9)])
+def test_decode_layers_with_a_quantized_kv_cache(model_dirs: dict[str, str], name: str, num_prompts: int,
+                                                 kv_cache_dtype: str, quantization: str | None) -> None:
+    # the fused loop stores and reads the int8 / fp8 cache with the ops the C++ backend calls: bitwise equal
+    args = dict(kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+    fast, fast_calls = _run(model_dirs[name], True, num_prompts, **args)
+    ref, ref_calls = _run(model_dirs[name], False, num_prompts, **args)
+    assert fast_calls >= 25 and ref_calls == 0
+    for a, b in zip(fast, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_decode_greedy_with_quantized_projections(model_dirs: dict[str, str], quantization: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
