@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "tokenmill.entrypoints.cli_generate",
     "tokenmill.entrypoints.cli_serve",
     "tokenmill.entrypoints.cli_quantize",
+    "tokenmill.entrypoints.cli_router",
     "tokenmill.bench.cli",
     "tokenmill.bench.plan",
 ]

@@ -61,6 +61,11 @@ def register(subparsers: Any) -> None:
                    help="embedding servers (--runner pooling): the inputs of requests that arrive within this many "
                         "milliseconds of the first one waiting run as one batch, of up to --max-num-batched-tokens "
                         "tokens (default %(default)s)")
+    p.add_argument("--register-with", default=None, metavar="ROUTER_URL",
+                   help="register with a `tokenmill router` at this URL and heartbeat to it every few seconds")
+    p.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="the URL the router reaches this server at (default http://HOST:PORT)")
+    p.add_argument("--router-api-key", default=None, help="the router's --api-key, if it has one")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])

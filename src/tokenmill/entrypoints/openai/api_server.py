@@ -85,6 +85,17 @@ def model_names(served_name: str, model: str) -> tuple[str, frozenset[str]]:
     return served_name, frozenset(aliases - {served_name})
 
 
+def _register_with_router(args: argparse.Namespace, port: int) -> asyncio.Task[None] | None:
+    """--register-with ROUTER_URL: heartbeat this server's URL (--advertise-url, or host:port) to a router."""
+    router_url = getattr(args, "register_with", None)
+    if not router_url:
+        return None
+    from tokenmill.entrypoints.openai.router_registration import register_forever
+
+    own = getattr(args, "advertise_url", None) or f"http://{args.host}:{port}"
+    return asyncio.create_task(register_forever(router_url, own, getattr(args, "router_api_key", None)))
+
+
 async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_template: str | None,
                      launched: float | None = None) -> int:
     """Serves until SIGINT/SIGTERM or the engine core's death; returns the exit status (lifecycle's
@@ -125,7 +136,10 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
                 f"(engine core pid {engine.client.pid}, {engine.num_blocks} KV blocks)")
         server = _make_server(config, line, launched, lifecycle)
         lifecycle.start(lambda: setattr(server, "should_exit", True))
+        beat = _register_with_router(args, port)
         await server.serve(sockets=[sock])
+        if beat is not None:
+            beat.cancel()
         if not server.started:
             print(f"tokenmill: error: could not serve on {args.host}:{port} (see above)", file=sys.stderr)
             return EXIT_ENGINE_DEAD

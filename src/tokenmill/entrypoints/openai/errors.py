@@ -25,6 +25,8 @@ Every error carries one stable `code` (OpenAI's own where OpenAI has one):
 | 500    | request_failed          | the engine failed this request alone (it went on with the others)       |
 | 503    | engine_dead             | the engine core is gone                                                 |
 | 503    | shutting_down           | the server is stopping (lifecycle.py) and takes no new requests         |
+| 502    | worker_failed           | `tokenmill router`: the replica serving a stream failed mid-way         |
+| 503    | no_workers              | `tokenmill router`: no healthy replica could serve the request          |
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ ERROR_CODES: dict[str, int] = {
     "response_not_found": 404, "not_found": 404, "method_not_allowed": 405, "timeout": 408,
     "payload_too_large": 413, "rate_limit_exceeded": 429, "client_closed": 499, "internal_error": 500,
     "request_failed": 500, "engine_dead": 503, "shutting_down": 503,
+    "worker_failed": 502, "no_workers": 503,
 }
 _TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_error", 500: "server_error",
-          503: "server_error"}
+          502: "server_error", 503: "server_error"}
 
 _UNION_FIELDS = {
     "prompt": "prompt must be a non-empty string, a list of them, a list of token ids or a list of token-id lists",
