@@ -4,8 +4,14 @@ import os
 import random
 
 import pytest
+import torch
 
-from tests.fixtures import MODEL_SPECS, build_bert, build_model, minilm_dir, train_tokenizer
+# the Triton kernels run on the CPU under Triton's interpreter where no GPU is present; set before any
+# kernel module is imported (triton.jit reads it when a kernel is defined)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.fixtures import MODEL_SPECS, build_bert, build_model, minilm_dir, train_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

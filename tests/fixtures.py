@@ -140,6 +140,23 @@ def build_model(name: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_
     return out_dir
 
 
+def to_transformers4_dialect(cfg: dict[str, Any], type_key: str = "type") -> dict[str, Any]:
+    """A config.json written by transformers 5 as transformers 4 wrote it: `torch_dtype`, and
+    `rope_theta` and `partial_rotary_factor` at the top level instead of `rope_parameters`, whose
+    scaling becomes `rope_scaling` with its type under `type_key` ("type" or "rope_type", both seen)."""
+    cfg = dict(cfg)
+    params = dict(cfg.pop("rope_parameters", None) or {})
+    cfg["torch_dtype"] = cfg.pop("dtype", "float32")
+    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if "partial_rotary_factor" in params:
+        cfg["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    rope_type = params.pop("rope_type", "default")
+    params.pop("type", None)
+    if rope_type != "default":
+        cfg["rope_scaling"] = {type_key: rope_type, **params}
+    return cfg
+
+
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int,
               bad_words_ids: list[list[int]] | None = None) -> list[int]:
     """Reference: transformers generate, greedy, float32, EOS ignored (so lengths are fixed)."""

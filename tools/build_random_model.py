@@ -6,8 +6,10 @@ Usage (from the repository root)::
     .venv/bin/python tools/build_random_model.py mixtral-1b /tmp/mixtral-1b      # 1.01B total, 0.30B active
     .venv/bin/python tools/build_random_model.py deepseek-v2-1b /tmp/dsv2-1b     # MLA + MoE, 0.99B total
     .venv/bin/python tools/build_random_model.py llama-gqa-1b /tmp/llama-1b      # dense GQA, 0.98B
+    .venv/bin/python tools/build_random_model.py llama-1.1b /tmp/llama-1.1b      # TinyLlama's shape, 1.1B
 
-(sizes as `tokenmill plan` counts them).
+(sizes as `tokenmill plan` counts them). `--tokenizer DIR` copies a tokenizer (e.g. the anchors kit's
+32000-token Llama one) in place of the tests' BPE, for llama.cpp's GGUF converter.
 
 Then e.g. ``tokenmill bench latency --model /tmp/mixtral-1b --dtype bfloat16 --input-len 128
 --output-len 128`` (MBU counts the k routed experts a batch-1 step reads), ``tokenmill plan
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -29,6 +32,7 @@ from tests.fixtures import MODEL_SPECS, build_model, train_tokenizer  # noqa: E4
 
 COMMON: dict[str, Any] = dict(vocab_size=32000, max_position_embeddings=8192, initializer_range=0.02,
                               tie_word_embeddings=False)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     # Mixtral's shape scaled down: 8 experts, top 2, GQA 4:1, expert MLP ~3.5x hidden
     "mixtral-1b": ("mixtral", dict(COMMON, hidden_size=1024, intermediate_size=2304, num_hidden_layers=16,
@@ -41,6 +45,9 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                            n_routed_experts=32, num_experts_per_tok=6, n_shared_experts=2,
                                            moe_intermediate_size=512, first_k_dense_replace=1,
                                            topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False)),
+    # TinyLlama-1.1B's shape (GQA 8:1, head_dim 64): the GPU path's targets (tools/gpu_check.sh)
+    "llama-1.1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                 num_attention_heads=32, num_key_value_heads=4)),
     # a dense GQA model of about the same total size (the MLA comparison's baseline)
     "llama-gqa-1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=6912, num_hidden_layers=16,
                                    num_attention_heads=16, num_key_value_heads=4)),
@@ -54,6 +61,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON",
                    help="override config fields, e.g. num_hidden_layers=2 hidden_size=256")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="copy this directory's tokenizer files (" + ", ".join(TOKENIZER_FILES) + ") instead of "
+                        "training the tests' 512-token BPE; e.g. a 32000-token Llama tokenizer, which llama.cpp's "
+                        "GGUF converter reads")
     args = p.parse_args()
     family, fields = SHAPES[args.shape]
     for item in args.set:
@@ -61,7 +72,12 @@ def main() -> int:
         fields = {**fields, key: json.loads(value)}
     MODEL_SPECS[args.shape] = (family, fields)
     with tempfile.TemporaryDirectory() as tok_dir:
-        train_tokenizer(tok_dir)
+        if args.tokenizer:
+            for name in TOKENIZER_FILES:
+                if os.path.exists(os.path.join(args.tokenizer, name)):
+                    shutil.copy(os.path.join(args.tokenizer, name), tok_dir)
+        else:
+            train_tokenizer(tok_dir)
         build_model(args.shape, args.out_dir, tok_dir, seed=args.seed, max_shard_size="2GB", dtype="bfloat16")
     print(args.out_dir)
     return 0

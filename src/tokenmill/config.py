@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import logging
 import os
@@ -67,6 +68,7 @@ class DeviceConfig:
     device: str  # cpu | cuda
     num_threads: int | None
     cpu_kernels: bool  # tokenmill's C++ kernels (decode attention, fused bf16 ops) on CPU
+    enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class EngineConfig:
     device: DeviceConfig
     attention_backend: str
     speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
+    log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
 
 
 # speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
@@ -220,9 +223,12 @@ class EngineArgs:
                                          "`tokenmill serve` leaves one of them to its API process)")
     attention_backend: str = _arg("auto", "attention implementation: cpu (tokenmill's C++ kernels), sdpa "
                                           "(torch's scaled_dot_product_attention), torch_ref (the plain "
-                                          "reference) or cuda; auto: cuda on a GPU, else cpu, or sdpa with "
-                                          "--no-cpu-kernels")
+                                          "reference), triton (paged Triton kernels and fused Triton layers, "
+                                          "on a GPU) or cuda (SDPA on a GPU); auto: triton on a GPU, else cpu, "
+                                          "or sdpa with --no-cpu-kernels")
     cpu_kernels: bool = _arg(True, "tokenmill's C++ kernels on a CPU (decode attention, fused bf16 ops)")
+    enforce_eager: bool = _arg(False, "on a GPU, run decode steps eagerly instead of replaying CUDA graphs "
+                                      "captured per padded batch size")
     quantization: str | None = _arg(None, "how the weights are quantized: " + ", ".join(QUANTIZATION_METHODS)
                                     + " (default: as config.json's quantization_config says; int8, int4 and "
                                       "w8a8 quantize a float checkpoint at load by round-to-nearest)")
@@ -234,6 +240,8 @@ class EngineArgs:
               "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; turns async scheduling off)")
     runner: str = _arg("auto", "generate (text) or pooling (embeddings, /v1/embeddings and LLM.embed); auto: "
                                "the checkpoint's kind (an encoder such as BertModel pools, a decoder generates)")
+    disable_log_stats: bool = _arg(False, "no per-step statistics (bandwidth, FLOP/s, MBU/MFU, batch composition "
+                                          "in /metrics and /dashboard): vLLM's switch")
     task: str | None = _arg(None, "older vLLM's name for --runner: generate, or embed for --runner pooling")
     pooler_config: str | None = _arg(None, "the pooling runner's pooling as JSON, e.g. '{\"pooling_type\": "
                                            "\"MEAN\", \"normalize\": true}' (pooling_type MEAN, CLS or LAST; "
@@ -249,11 +257,17 @@ class EngineArgs:
         kv_storage_dtype(self.kv_cache_dtype, dtype)  # refuses an unknown choice
         backend = self.attention_backend
         if backend == "auto":
-            backend = "cuda" if device == "cuda" else ("cpu" if self.cpu_kernels else "sdpa")
+            if device == "cuda":  # Triton's kernels where triton is installed, else batched SDPA
+                backend = "triton" if importlib.util.find_spec("triton") is not None else "cuda"
+            else:
+                backend = "cpu" if self.cpu_kernels else "sdpa"
         from tokenmill.attention import available_backends
 
         if backend not in available_backends():
             raise ValueError(f"attention_backend {backend!r} unknown; choose from {available_backends()}")
+        if backend == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend 'triton' runs on a CUDA GPU (on a CPU only under Triton's "
+                             "interpreter, TRITON_INTERPRET=1, slowly, for tests); use --attention-backend cpu")
         model = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
@@ -288,9 +302,11 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 async_scheduling=async_scheduling,
             ),
-            device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels),
+            device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels,
+                                enforce_eager=self.enforce_eager),
             attention_backend=backend,
             speculative=spec,
+            log_stats=not self.disable_log_stats,
         )
 
     def _runner(self, arch: ArchConfig) -> str:

@@ -27,6 +27,9 @@ def test_mla_plan_and_the_allocated_pool_agree(model_dirs: dict[str, str], capsy
     assert plan["full_kv_bytes_per_token"] == 3 * 4 * (32 + 16) * 4
     assert plan["kv_capacity_gain"] >= 4
     assert plan["max_kv_tokens"] == (1 << 20) // (576 * 16) * 16
+    # the engine refuses a quantized latent cache, so plan offers none
+    assert [r["kv_cache_dtype"] for r in plan["kv_cache_dtypes"]] == ["auto"]
+    assert plan["kv_cache_dtypes"][0]["kv_bytes_per_token"] == 576
     llm = LLM(d, dtype="float32", kv_cache_memory="1MiB", block_size=16, skip_tokenizer_init=True)
     runner = llm.engine.core.executor.runner
     config = llm.engine.core.executor.kv_cache_config
@@ -45,6 +48,10 @@ def test_moe_decode_reads_only_the_chosen_experts(model_dirs: dict[str, str]) ->
     assert cost.expert_params == expert
     assert cost.matmul_params == cost.params - embedding - unread
     assert cost.decode_weight_bytes(1) == (cost.params - embedding - unread + 64) * 4
+    # the routers stay float32 in a bfloat16 model (2 sparse layers x 8 experts x 64): 2 more bytes a weight
+    bf16 = ModelCost(cost.arch, "bfloat16")
+    assert bf16.decode_weight_bytes(1) == (cost.params - embedding - unread + 64) * 2 + 2 * 8 * 64 * 2
+    assert bf16.weight_bytes == cost.params * 2 + 2 * 8 * 64 * 2
     # a large batch reads (nearly) every expert
     assert cost.experts_read(1) == 2 and cost.experts_read(256) == pytest.approx(8)
     assert cost.decode_weight_bytes(256) == pytest.approx((cost.params - embedding + 256 * 64) * 4, rel=1e-6)

@@ -46,6 +46,8 @@ class AllowList:
         self.taken: dict[str, list[int]] = {}
         self.freed: list[str] = []
 
+    follows_tokens_in_flight = False
+
     def is_ready(self, request: Request) -> bool:
         return True
 

@@ -79,3 +79,29 @@ def test_failed_admission_gives_back_its_capacity(llama_dir: str, monkeypatch: p
 
 def _fail_send(requests: object) -> None:
     raise OSError("the send failed")
+
+
+def test_batch_lines_do_not_take_the_interactive_queues_room(llama_dir: str) -> None:
+    """With room for two sequences and no queue, batch-class requests (bounded by their runner) are not
+    counted: interactive ones are still admitted, and a third interactive one is refused as full."""
+    from tokenmill.core.request import PriorityClass
+    from tokenmill.engine.async_engine import QueueFullError
+
+    args = EngineArgs(llama_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=512, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def main() -> None:
+        engine = await AsyncLLM.from_engine_args(args, max_queue_len=0)
+        try:
+            streams = [engine.add_request(f"b{i}", params, priority_class=PriorityClass.BATCH, group="g")
+                       for i in range(4)]
+            streams += [engine.add_request("x", params), engine.add_request("y", params)]
+            with pytest.raises(QueueFullError):
+                engine.add_request("z", params)
+            for stream in streams:
+                async for out in stream:
+                    assert out.finished and out.outputs[0].finish_reason == "length"
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

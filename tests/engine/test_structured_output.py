@@ -34,6 +34,8 @@ class ToyGrammar:
         self.told: dict[str, int] = {}  # tokens reported per request
         self.freed: list[str] = []
 
+    follows_tokens_in_flight = False
+
     def is_ready(self, request: Request) -> bool:
         return True
 

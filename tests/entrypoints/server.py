@@ -32,6 +32,9 @@ class RemoteServer:
                 "--port", str(self.port), "--kv-cache-memory", "64MiB", "--max-model-len", "512", *extra]
         if api_key:
             args += ["--api-key", api_key]
+        if "--batch-dir" not in extra:  # never the user's own data directory
+            self._batch_dir = tempfile.TemporaryDirectory(prefix="tm-batches-")
+            args += ["--batch-dir", self._batch_dir.name]
         self.log: IO[str] = tempfile.TemporaryFile("w+")
         env = {**os.environ, "TOKENMILL_API_KEY": "", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,

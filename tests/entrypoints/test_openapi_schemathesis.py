@@ -7,7 +7,7 @@ What JSON Schema cannot state is the one exception, on the three generating rout
 the schema allows may still be a 400 there when prompt plus max_tokens does not fit max_model_len,
 min_tokens is over max_tokens, prompts x n is over --max-prompts-per-request, a bad word is more
 than one token, a logit_bias key is outside the vocabulary, or the chat template rejects the
-messages."""
+messages. And an upload to /v1/files (multipart, a binary file) is a 400 when the file is not JSON Lines."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ CONFIG = """
 [[operations]]
 include-path-regex = "^/v1/((chat/)?completions|responses)$"
 checks.positive_data_acceptance.expected-statuses = [200, 400, 401, 404, 408, 413, 429, 503]
+
+[[operations]]
+include-name = "POST /v1/files"
+checks.positive_data_acceptance.expected-statuses = [200, 400, 401, 413]
 """
 
 

@@ -48,6 +48,25 @@ def check_close(vectors: list[list[float]], reference: torch.Tensor) -> None:
     assert F.cosine_similarity(torch.tensor(vectors), reference).min() >= 0.9999
 
 
+def test_embeddings_batch_equals_sentence_transformers(client: openai.OpenAI, reference: torch.Tensor) -> None:
+    """The embedding server runs /v1/embeddings batches (the Files and Batch API) through the same route."""
+    import json
+    import time
+
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": NAME, "input": text, "encoding_format": "float"}} for i, text in enumerate(TEXTS)]
+    f = client.files.create(file=("e.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(TEXTS)
+    out = {r["custom_id"]: r for r in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    check_close([out[f"e{i}"]["response"]["body"]["data"][0]["embedding"] for i in range(len(TEXTS))], reference)
+
+
 def test_openai_sdk_float_and_base64(client: openai.OpenAI, reference: torch.Tensor) -> None:
     # no encoding_format: the SDK asks for base64 and decodes it itself
     for r in (client.embeddings.create(model=NAME, input=TEXTS),

@@ -74,7 +74,8 @@ def test_the_loader_is_where_cpp_is_compiled_and_builds_every_kernel_source() ->
     assert reaches_cpp_extension((KERNELS / "loader.py").read_text(encoding="utf-8"))
     found = sorted(KERNELS.rglob("*.cpp"))
     assert found and sorted(Path(p).resolve() for p in cpu_sources()) == found  # none left out of the build
-    assert {p.parent.name for p in found} == {"attention", "linear", "elementwise", "sampling", "fused_decode"}
+    assert {p.parent.name for p in found} == {"attention", "linear", "elementwise", "sampling", "fused_decode",
+                                               "roofline"}
 
 
 def test_the_checks_catch_a_planted_violation(tmp_path: Path) -> None:

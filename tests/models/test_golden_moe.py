@@ -1,8 +1,8 @@
 """Mixture-of-experts and latent-attention models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek V2/V3):
-greedy tokens identical to transformers with chunked prefill, prefix-cache hits and preemption (single
-requests and mixed batches on every backend: tests/models/test_golden.py), the reference MoE path,
-transformers 5's fused expert layout, MLA's absorbed decode, missing expert tensors named, and the
-fused C++ decode path declining MoE models."""
+greedy tokens identical to transformers with chunked prefill, prefix-cache hits and preemption on every
+attention backend (single requests and mixed batches: tests/models/test_golden.py), the reference MoE
+path, transformers 5's fused expert layout, MLA's absorbed decode, missing expert tensors named, and
+which MoE models the fused C++ decode path takes (Mixtral) or declines."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import random_prompts
 from tests.fixtures import _hf_model, hf_greedy
-from tests.models.test_golden import MAX_TOKENS, PROMPTS, expected, run
+from tests.models.test_golden import BACKENDS, MAX_TOKENS, PROMPTS, expected, run
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch_moe import MLAConfig
 from tokenmill.attention.backend import AttentionMetadata, gather_context
@@ -26,22 +26,25 @@ MOE = ["mixtral-8x-top2", "qwen2moe-shared", "qwen3moe-norm"]
 MLA = ["deepseek-v2-mla", "deepseek-v3-mla"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", MOE + MLA)
-def test_chunked_prefill(model_dirs: dict[str, str], name: str) -> None:
+def test_chunked_prefill(model_dirs: dict[str, str], name: str, backend: str) -> None:
     model_dir = model_dirs[name]
-    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend="cpu",
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend=backend,
               max_num_batched_tokens=8, max_num_seqs=4)
     assert run(llm, PROMPTS[:5], MAX_TOKENS[:5]) == expected(model_dir, PROMPTS[:5], MAX_TOKENS[:5])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", MOE + MLA)
-def test_preemption_and_prefix_hits(model_dirs: dict[str, str], name: str) -> None:
+def test_preemption_and_prefix_hits(model_dirs: dict[str, str], name: str, backend: str) -> None:
     model_dir = model_dirs[name]
     # 12 blocks of 8 tokens: max_model_len 96 fits, the batch does not
     llm = LLM(model_dir, dtype="float32", num_kv_blocks=12, block_size=8, max_model_len=96,
-              attention_backend="torch_ref")
+              attention_backend=backend)
     assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
     assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.kv.num_free_blocks == 12
     shared = random_prompts(1, 40, 40, seed=7)[0]
     prompts = [shared + tail for tail in random_prompts(3, 1, 20, seed=8)]
     kv = llm.engine.core.scheduler.kv
@@ -79,12 +82,20 @@ def test_fused_expert_layout_loads(model_dirs: dict[str, str], tmp_path: os.Path
     assert run(llm, PROMPTS[:2], MAX_TOKENS[:2]) == expected(src, PROMPTS[:2], MAX_TOKENS[:2])
 
 
-def test_missing_expert_tensor_is_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+@pytest.mark.parametrize(("name", "tensor", "named"), [
+    ("mixtral-8x-top2", "model.layers.1.block_sparse_moe.experts.5.w3.weight",
+     r"layers\.1\.mlp\.experts\.5\.gate_up_proj\.weight\[1\]"),
+    ("deepseek-v2-mla", "model.layers.1.self_attn.kv_b_proj.weight", r"layers\.1\.self_attn\.kv_b_proj\.weight"),
+    ("deepseek-v3-mla", "model.layers.2.mlp.gate.e_score_correction_bias",
+     r"layers\.2\.mlp\.gate\.e_score_correction_bias"),
+])
+def test_missing_tensor_is_named(model_dirs: dict[str, str], tmp_path: os.PathLike[str], name: str, tensor: str,
+                                 named: str) -> None:
     from safetensors.torch import load_file
 
-    src = model_dirs["mixtral-8x-top2"]
+    src = model_dirs[name]
     tensors = load_file(os.path.join(src, "model.safetensors"))
-    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    del tensors[tensor]
     dst = os.path.join(tmp_path, "broken")
     os.makedirs(dst)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
@@ -92,15 +103,19 @@ def test_missing_expert_tensor_is_named(model_dirs: dict[str, str], tmp_path: os
         cfg = json.load(f)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.5\.gate_up_proj\.weight\[1\]"):
+    with pytest.raises(ValueError, match=named):
         LLM(dst, dtype="float32", kv_cache_memory="4MiB", skip_tokenizer_init=True)
 
 
-def test_fused_decode_declines_moe_and_mla(model_dirs: dict[str, str]) -> None:
+def test_fused_decode_takes_mixtral_and_declines_the_other_routings(model_dirs: dict[str, str]) -> None:
+    """Mixtral's routed experts run in the fused decode kernel (tests/kernels/cpu/fused_decode: bitwise
+    against the layer loop); a shared expert (Qwen2-MoE), q/k norms (Qwen3-MoE) and MLA keep the layer loop."""
     dense = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", attention_backend="cpu")
     if dense.engine.core.executor.runner.fused_decode is None:
         pytest.fail("the fused decode path is off for a dense model: the C++ kernels are not built")
-    for name in ("mixtral-8x-top2", "deepseek-v2-mla"):
+    mixtral = LLM(model_dirs["mixtral-8x-top2"], dtype="bfloat16", kv_cache_memory="4MiB", attention_backend="cpu")
+    assert mixtral.engine.core.executor.runner.fused_decode is not None
+    for name in ("qwen2moe-shared", "qwen3moe-norm", "deepseek-v2-mla", "deepseek-v3-mla"):
         llm = LLM(model_dirs[name], dtype="bfloat16", kv_cache_memory="4MiB", attention_backend="cpu")
         assert llm.engine.core.executor.runner.fused_decode is None
         outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)

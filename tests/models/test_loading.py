@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tests.conftest import random_prompts
-from tests.fixtures import build_model, hf_greedy
+from tests.fixtures import build_model, hf_greedy, to_transformers4_dialect
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch import load_arch_config, parse_arch_config
 from tokenmill.config import EngineArgs, _resolve_dtype, default_block_size
@@ -28,21 +28,11 @@ def test_sharded_checkpoint_matches_hf(tmp_path: os.PathLike[str], tokenizer_dir
     assert out[0].outputs[0].token_ids == hf_greedy(model_dir, prompt, 12)
 
 
-def _to_transformers4_dialect(cfg: dict) -> dict:
-    cfg = dict(cfg)
-    params = cfg.pop("rope_parameters", None) or {}
-    cfg["torch_dtype"] = cfg.pop("dtype", "float32")
-    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
-    if params.get("rope_type", "default") != "default":
-        cfg["rope_scaling"] = params
-    return cfg
-
-
 def test_both_config_dialects_parse_alike(model_dirs: dict[str, str]) -> None:
     with open(os.path.join(model_dirs["llama-gqa4-untied"], "config.json")) as f:
         v5 = json.load(f)
     assert "rope_parameters" in v5 and "dtype" in v5  # written by transformers 5
-    a, b = parse_arch_config(v5), parse_arch_config(_to_transformers4_dialect(v5))
+    a, b = parse_arch_config(v5), parse_arch_config(to_transformers4_dialect(v5, "rope_type"))
     assert a == b
     assert a.rope.rope_type == "llama3" and a.rope.factor == 8.0
     assert a.num_kv_heads == 1 and not a.tie_word_embeddings
@@ -54,7 +44,7 @@ def test_transformers4_dialect_checkpoint_generates_alike(model_dirs: dict[str, 
     dst = os.path.join(tmp_path, "v4")
     shutil.copytree(src, dst)
     with open(os.path.join(src, "config.json")) as f:
-        cfg = _to_transformers4_dialect(json.load(f))
+        cfg = to_transformers4_dialect(json.load(f), "rope_type")
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     prompt = random_prompts(1, 30, 30, seed=4)[0]

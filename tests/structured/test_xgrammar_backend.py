@@ -37,6 +37,12 @@ def ready(b: XGrammarBackend, req: Request) -> None:
     assert b.is_ready(req)
 
 
+def masks(b: XGrammarBackend, reqs: list[Request], drafts: dict[str, list[int]]) -> dict[str, Any]:
+    """The step's bitmasks, waited for where the backend fills them on its thread."""
+    out = b.grammar_bitmask(reqs, drafts)
+    return out if isinstance(out, dict) else out.result(timeout=60)
+
+
 def encode(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
@@ -71,19 +77,19 @@ def test_rows_for_drafts_validate_and_rollback(tokenizer: Any) -> None:
     req = request("a", choice=["yes please", "no thanks"])
     ready(b, req)
     yes, no = encode(tokenizer, "yes please"), encode(tokenizer, "no thanks")
-    [first] = b.grammar_bitmask([req], {}).values()
+    [first] = masks(b, [req], {}).values()
     assert {yes[0], no[0]} <= set(allowed_ids(first[0]).tolist())
     drafts = yes[:2] + [no[0]]  # the third draft breaks the grammar
-    rows = b.grammar_bitmask([req], {"a": drafts})["a"]
+    rows = masks(b, [req], {"a": drafts})["a"]
     assert rows.shape[0] == 4 and (rows[0] == first[0]).all()
     for j in (0, 1, 2):  # row j: after the first j drafts
         assert allowed_ids(rows[j]).tolist() == sorted({yes[j]} | ({no[0]} if j == 0 else set()))
     assert (rows[3] == rows[2]).all()  # past the draft the grammar rejects: a copy
     assert b.validate_tokens("a", drafts) == 2 and b.validate_tokens("a", yes) == len(yes)
-    assert (b.grammar_bitmask([req], {})["a"] == first).all()  # validating left the state as it was
+    assert (masks(b, [req], {})["a"] == first).all()  # validating left the state as it was
     assert not b.accept_tokens(req, yes[:2])
     b.rollback("a", 2)  # as if the two drafts were taken, then rejected
-    assert (b.grammar_bitmask([req], {})["a"] == first).all()
+    assert (masks(b, [req], {})["a"] == first).all()
 
 
 def test_the_end_of_the_grammar_ends_the_request(tokenizer: Any) -> None:
@@ -96,7 +102,7 @@ def test_the_end_of_the_grammar_ends_the_request(tokenizer: Any) -> None:
     assert b.accept_tokens(done, [last])  # nothing but EOS may follow
     assert not b.accept_tokens(open_ended, encode(tokenizer, "aa"))  # complete, but more "a" may follow
     b.free("a")
-    assert b.grammar_bitmask([done], {}) == {}
+    assert masks(b, [done], {}) == {}
 
 
 @pytest.mark.parametrize(("constraint", "says"), [

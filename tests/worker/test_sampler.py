@@ -385,7 +385,7 @@ def test_runner_samples_by_argmax_alone_only_while_every_row_is_plain_greedy(
     # this module's engine is float32, where the C++ argmax does not apply: stand torch's in for it, so
     # that the sampler's choice between argmax alone and its full path is what is tested
     sampler = llm.engine.core.executor.runner.sampler
-    monkeypatch.setattr(sampler, "argmax", lambda logits: logits.argmax(dim=-1).tolist())
+    monkeypatch.setattr(sampler, "argmax", lambda logits, bitmask=None: logits.argmax(dim=-1).tolist())
     calls: list[int] = []
     full_sampler = Sampler._choose  # the sampler's full path, past its argmax-alone shortcut
 

@@ -13,6 +13,7 @@ _REGISTRY: dict[str, str] = {
     "cpu": "tokenmill.attention.cpu:CpuBackend",
     "sdpa": "tokenmill.attention.cpu:SdpaBackend",
     "cuda": "tokenmill.attention.cpu:SdpaBackend",  # the batched SDPA path, on the GPU
+    "triton": "tokenmill.attention.triton_backend:TritonBackend",  # paged Triton kernels (a GPU's default)
 }
 
 

@@ -134,6 +134,22 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory without blocking: a plain copy from pageable
+    memory would wait for the kernels already queued (the step in flight), which the next step's inputs,
+    prepared meanwhile, must not."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def padded_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """int32 [len(tables), width] (default: the longest table's): block tables right-padded with block 0,
+    which no kernel reads past a sequence's length."""
+    width = max((len(t) for t in tables), default=0) if width is None else width
+    return torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32)
+
+
 def gather_context(cache: torch.Tensor, block_ids: list[int], length: int) -> torch.Tensor:
     """[length, Hk, D]: the first `length` cached positions of a sequence (a copy)."""
     n_blocks = -(-length // cache.shape[1])

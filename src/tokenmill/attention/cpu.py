@@ -26,7 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.attention.backend import AttentionMetadata, KVScales, causal_mask, gather_context, soft_cap, write_kv
+from tokenmill.attention.backend import (
+    AttentionMetadata,
+    KVScales,
+    causal_mask,
+    gather_context,
+    padded_tables,
+    soft_cap,
+    write_kv,
+)
 from tokenmill.attention.kv_quant import gather_dequantized, select_dequantized, write_kv_quantized
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import QUANTIZED_KV_DTYPES
@@ -135,10 +143,10 @@ class CpuBackend(SdpaBackend):
         if self.ops is None or device.type != "cpu":
             return super().prepare(meta, device)
         if d:
-            meta.extra["decode_tables"] = _padded_tables(meta.block_tables[:d])
+            meta.extra["decode_tables"] = padded_tables(meta.block_tables[:d])
             meta.extra["decode_lens"] = torch.tensor(meta.seq_lens[:d], dtype=torch.int32)
         if meta.num_seqs > d:
-            meta.extra["prefill_tables"] = _padded_tables(meta.block_tables[d:])
+            meta.extra["prefill_tables"] = padded_tables(meta.block_tables[d:])
             meta.extra["prefill_starts"] = torch.tensor(meta.query_start_loc[d:], dtype=torch.int32)
             meta.extra["prefill_lens"] = torch.tensor(meta.seq_lens[d:], dtype=torch.int32)
 
@@ -204,7 +212,7 @@ def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     if "row_tables" not in meta.extra:
         qsl, lens = meta.query_start_loc, meta.seq_lens
         counts = [qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)]
-        meta.extra["row_tables"] = _padded_tables(meta.block_tables).repeat_interleave(torch.tensor(counts), dim=0)
+        meta.extra["row_tables"] = padded_tables(meta.block_tables).repeat_interleave(torch.tensor(counts), dim=0)
         meta.extra["row_lens"] = torch.cat([torch.arange(n - c + 1, n + 1, dtype=torch.int32)
                                             for n, c in zip(lens, counts, strict=True)])
     return meta.extra["row_tables"], meta.extra["row_lens"]
@@ -247,8 +255,3 @@ def _attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     scores = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.matmul(probs, v.float()).to(q.dtype)
-
-
-def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
-    n_blocks = max(len(bt) for bt in tables)
-    return torch.tensor([bt + [0] * (n_blocks - len(bt)) for bt in tables], dtype=torch.int32)

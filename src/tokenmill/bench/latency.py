@@ -10,9 +10,13 @@ Roofline: a decode step reads the weights (lm_head in full, embedding rows only)
 sequences at the average decode context (input + output/2) - for a mixture of experts only the routed
 experts the step reads (k per sparse layer at batch 1; `experts_read_per_layer`), for latent attention
 the latent KV; floor = those bytes / mem_read_GBps and
-MBU = bytes per step x steps/s / mem_read_GBps. Prefill MFU = 2 x matmul params x prefill tok/s /
-matmul GFLOP/s of the dtype. Bandwidth and FLOP/s come from --bandwidth/--flops, else the roofline
-cache, else one measurement at the engine's thread count (then cached).
+MBU = bytes per step x steps/s / mem_read_GBps. Prefill MFU = the prefill's FLOPs (ModelCost.
+prefill_flops_per_token: the lm_head once per prompt, causal attention) / prefill time / peak GFLOP/s
+of the dtype. Bandwidth and FLOP/s come from --bandwidth/--flops, else the roofline cache, else one
+measurement at the engine's thread count (then cached); neither ratio exceeds 1 (a rate above its
+ceiling raises the ceiling: `mbu_ceiling_raised` / `mfu_ceiling_raised`). The engine's /metrics count
+a step's bytes and FLOPs with the same arithmetic (metrics/step_cost.py). `plan_*` fields are `tokenmill
+plan`'s capacity for the engine's KV budget, beside the pool it built.
 
 --json-schema FILE constrains every request with that JSON schema (structured output, issue #24's
 target: decode per token against the same run without it); the schema's output must be longer than
@@ -30,13 +34,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.bench.model_math import ModelCost, decode_floor
+from tokenmill.bench.model_math import ModelCost, decode_floor, kv_capacity, max_requests
 from tokenmill.bench.results import ResultSink, emit, loaded_weight_bytes, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import run_dataset, spec_fields
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
 from tokenmill.kv_cache_spec import kv_storage_dtype
+from tokenmill.metrics.ceilings import utilization
+from tokenmill.metrics.step_cost import engine_fields
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -105,30 +111,47 @@ def timed_runs(llm: Any, prompts: list[Any], params: Any, runs: int) -> tuple[li
 
 def roofline_fields(cost: ModelCost, roof: Ceilings, batch: int, context: int, prompt_tokens: int,
                     prefill_s: float, decode_step_s: float) -> dict[str, Any]:
+    """MBU of the decode steps and MFU of the prefill against the ceilings (metrics/ceilings.utilization:
+    a rate above its ceiling raises the ceiling, `*_ceiling_raised` says so), beside the floor."""
     nbytes = cost.decode_bytes(batch, context)
+    prefill_flops = prompt_tokens * cost.prefill_flops_per_token(prompt_tokens // batch)
+    achieved_gbps, prefill_gflops = nbytes / decode_step_s / 1e9, prefill_flops / prefill_s / 1e9
     out: dict[str, Any] = {
         "params": cost.params, "matmul_params": cost.matmul_params, "weight_bytes": cost.weight_bytes,
         "decode_weight_bytes": cost.decode_weight_bytes(batch),
         "kv_bytes_per_step": batch * context * cost.kv_bytes_per_token, "bytes_per_step": nbytes,
-        "avg_context": context, "achieved_GBps": sig(nbytes / decode_step_s / 1e9),
-        "achieved_prefill_gflops": sig(2 * cost.matmul_params * prompt_tokens / prefill_s / 1e9),
-        "mem_read_GBps": roof.bandwidth_gbps, "matmul_gflops": roof.gflops,
+        "avg_context": context, "achieved_GBps": sig(achieved_gbps), "prefill_flops": sig(prefill_flops),
+        "achieved_prefill_gflops": sig(prefill_gflops),
+        "mem_read_GBps": roof.bandwidth_gbps, "peak_gflops": roof.gflops,
         "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
         "decode_floor_ms": None, "decode_memory_floor_ms": None, "decode_compute_floor_ms": None,
-        "mbu": None, "prefill_mfu": None,
+        "mbu": None, "prefill_mfu": None, "mbu_ceiling_raised": False, "mfu_ceiling_raised": False,
     }
     if cost.arch.moe is not None:
         out["experts_read_per_layer"] = sig(cost.experts_read(batch))
     if roof.bandwidth_gbps:
-        out["mbu"] = sig(nbytes / decode_step_s / (roof.bandwidth_gbps * 1e9))
+        u = utilization(achieved_gbps, roof.bandwidth_gbps)
+        out.update(mbu=sig(u.ratio), mbu_ceiling_raised=u.raised)
         out["decode_memory_floor_ms"] = sig(nbytes / (roof.bandwidth_gbps * 1e9) * 1e3)
     if roof.gflops:
-        out["prefill_mfu"] = sig(2 * cost.matmul_params * prompt_tokens / prefill_s / (roof.gflops * 1e9))
+        u = utilization(prefill_gflops, roof.gflops)
+        out.update(prefill_mfu=sig(u.ratio), mfu_ceiling_raised=u.raised)
     if roof.bandwidth_gbps and roof.gflops:
         floor = decode_floor(cost, batch, context, roof.bandwidth_gbps, roof.gflops)
         out["decode_compute_floor_ms"] = sig(floor.compute_s * 1e3)
         out["decode_floor_ms"] = sig(floor.floor_s * 1e3)
+        out["decode_vs_floor"] = sig(decode_step_s / floor.floor_s)
     return out
+
+
+def plan_fields(config: Any, cost: ModelCost, context: int, num_blocks: int) -> dict[str, Any]:
+    """`tokenmill plan`'s capacity for this engine's KV budget beside the pool the engine built."""
+    bs = config.cache.block_size
+    blocks = config.cache.num_kv_blocks
+    planned = blocks * bs if blocks is not None else kv_capacity(config.cache.kv_cache_bytes, cost, bs)
+    return {"plan_kv_capacity_tokens": planned, "kv_capacity_tokens": num_blocks * bs,
+            "plan_max_requests": max_requests(planned, context, bs),
+            "max_requests": max_requests(num_blocks * bs, context, bs)}
 
 
 def load_schema(path: str | None) -> dict[str, Any] | None:
@@ -209,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         "decode_s_runs": [round(t.total_s - t.prefill_s, 5) for t in timings],
         "total_s_runs": [round(t.total_s, 5) for t in timings],
         **roofline_fields(cost, roof, b, context, b * args.input_len, prefill_s, step_s),
+        **plan_fields(config, cost, context, llm.engine.core.num_blocks),
+        **engine_fields(stats0.step, stats1.step, roof),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
         "loaded_weight_bytes": loaded_weight_bytes(llm),
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),

@@ -1,7 +1,7 @@
 """`tokenmill plan MODEL`: the serving arithmetic of a checkpoint from its config.json: parameters and
 weight bytes, KV bytes per token, how many tokens and requests fit in a memory budget (for the chosen
 `--kv-cache-dtype`, and under `kv_cache_dtypes` for each one), and the decode floor per step by batch
-size (bytes / bandwidth vs FLOPs / matmul rate, whichever is larger)."""
+size (bytes / bandwidth vs FLOPs / the peak FLOP rate, whichever is larger)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def register(subparsers: Any) -> None:
                    help="KV tokens per block (default: the engine's on CPU)")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCHES)
     p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth, GB/s")
-    p.add_argument("--flops", type=float, default=None, help="matmul rate, GFLOP/s")
+    p.add_argument("--flops", type=float, default=None,
+                   help="peak FLOP rate of the dtype, GFLOP/s (default: the roofline cache's)")
     p.add_argument("--threads", type=int, default=None, help="which cached roofline measurement to use")
     p.add_argument("--measure", action="store_true", help="measure the roofline if it is not cached")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -110,7 +111,7 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
         "full_kv_bytes_per_token": cost.full_kv_bytes_per_token,
         "kv_capacity_gain": cost.full_kv_bytes_per_token / cost.kv_bytes_per_token,
         "active_params": cost.active_params,
-        "mem_read_GBps": roof.bandwidth_gbps, "matmul_gflops": roof.gflops,
+        "mem_read_GBps": roof.bandwidth_gbps, "peak_gflops": roof.gflops,
         "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
     }
     rows: list[dict[str, Any]] = []
@@ -138,9 +139,10 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
 
 def kv_dtype_table(arch: ArchConfig, dtype: str, kv_budget: int, block_size: int, max_len: int,
                    context: int) -> list[dict[str, Any]]:
-    """For each --kv-cache-dtype: bytes per token and the blocks, tokens and requests the budget holds."""
+    """For each --kv-cache-dtype the model's caches take (MLA's latent cache: auto only, as the engine
+    refuses a quantized one): bytes per token and the blocks, tokens and requests the budget holds."""
     rows = []
-    for choice in ("auto", "int8", "fp8_e4m3"):
+    for choice in ("auto",) if arch.mla is not None else ("auto", "int8", "fp8_e4m3"):
         cost = ModelCost(arch, dtype, kv_storage_dtype(choice, dtype))
         capacity = kv_capacity(kv_budget, cost, block_size)
         rows.append({"kv_cache_dtype": choice, "storage": cost.kv_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
@@ -191,9 +193,9 @@ def render(plan: dict[str, Any]) -> str:
         f"prefill      {p['prefill_flops_per_token'] / 1e9:.3f} GFLOP/token at a {p['prompt_len']}-token prompt "
         f"(2 x {_count(p['matmul_params'])} matmul params + {p['attn_flops_per_position']} x position)",
     ]
-    if p["mem_read_GBps"] and p["matmul_gflops"]:
+    if p["mem_read_GBps"] and p["peak_gflops"]:
         lines.append(f"roofline     {p['mem_read_GBps']:.1f} GB/s ({p['bandwidth_source']}), "
-                     f"{p['matmul_gflops']:.1f} GFLOP/s ({p['flops_source']})")
+                     f"{p['peak_gflops']:.1f} GFLOP/s ({p['flops_source']})")
         cb = p["compute_bound_batch"]
         lines.append(f"             prefill ceiling {p['prefill_tok_s_ceiling']:,.0f} tok/s; "
                      "decode turns compute-bound "

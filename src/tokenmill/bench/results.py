@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.metrics.ceilings import cpu_name
+
 
 def sig(x: float, digits: int = 4) -> float:
     """x to `digits` significant digits (tiny models give tiny figures; fixed decimals would zero them)."""
@@ -52,13 +54,7 @@ def git_commit() -> str | None:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version()}
 
 

@@ -1,14 +1,22 @@
-"""`tokenmill bench roofline`: this machine's ceilings for MBU/MFU, measured with torch the same way
-(and with the same field names) as the anchors kit's roofline.py, once per thread count:
+"""`tokenmill bench roofline`: this machine's ceilings for MBU/MFU, once per thread count, measured with
+kernels that reach them (kernels/cpu/roofline/peak.cpp) beside torch's figures (the anchors kit's
+roofline.py method, same field names):
 
-  mem_read_GBps     sum over a --gib GiB fp32 array (a pure streaming read)        best of --reps
-  mem_copy_GBps     copy of half that array into another (bytes read + written)   best of --reps
-  matvec_bf16_GBps  decode-shaped bf16 linear, batch 1, 256 MiB of weights        best of --reps
-  matmul_{fp32,bf16}_gflops  n x n matmul, 2*n^3 flops                            best of 3
+  mem_read_stream_GBps  a streaming read of a --gib GiB array, 8 independent 512-bit accumulators
+  mem_read_torch_GBps   torch sum over the same fp32 array
+  mem_copy_GBps         copy of half that array into another (bytes read + written)
+  matvec_bf16_GBps      decode-shaped bf16 linear, batch 1, 256 MiB of weights
+  mem_read_GBps         the read ceiling: the best of the three reads above
+  peak_fp32_avx512_gflops, peak_bf16_avx512_gflops, peak_bf16_amx_gflops
+                        register-blocked VFMADD / VDPBF16PS / AMX TDPBF16PS loops, no memory operands
+                        (0 where the CPU or the compiler lacks the instructions)
+  matmul_{fp32,bf16}_gflops  torch n x n matmul, 2*n^3 flops
+  peak_{fp32,bf16}_gflops    the compute ceilings: the best of the loops and torch's matmul of the dtype
 
-Top-level fields are the best over the thread counts; `per_threads` keeps each count. Measurements
-are cached in ~/.cache/tokenmill/roofline.json ($TOKENMILL_CACHE_DIR overrides) keyed by cpu, device
-and thread count, so the latency bench and `tokenmill plan` reuse them without measuring again.
+Rates are the best of --reps. Top-level fields are the best over the thread counts; `per_threads`
+keeps each count. Measurements are cached (metrics/ceilings.py: the file, the key and the rule that
+a rate observed above its ceiling raises the ceiling), so the benches, `tokenmill plan` and the
+server's /metrics reuse them without measuring again.
 """
 
 from __future__ import annotations
@@ -18,20 +26,32 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from tokenmill.bench.results import ResultSink, emit, machine
 from tokenmill.config import default_num_threads
+from tokenmill.metrics.ceilings import (
+    CEILING_FIELDS,
+    Ceilings,
+    cache_key,
+    cache_path,
+    cached_ceilings,
+    from_figures,
+    lookup,
+    read_cache,
+)
 
-FIELDS = ("mem_read_GBps", "mem_copy_GBps", "matvec_bf16_GBps", "matmul_fp32_gflops", "matmul_bf16_gflops")
+FIELDS = ("mem_read_GBps", "mem_read_stream_GBps", "mem_read_torch_GBps", "mem_copy_GBps", "matvec_bf16_GBps",
+          "peak_fp32_gflops", "peak_bf16_gflops", "peak_fp32_avx512_gflops", "peak_bf16_avx512_gflops",
+          "peak_bf16_amx_gflops", "matmul_fp32_gflops", "matmul_bf16_gflops")
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+PEAK_LOOP_S = 0.2  # each timed peak loop runs about this long
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all cores)")
-    p.add_argument("--gib", type=float, default=2.0, help="size of the fp32 array streamed for mem_read")
+    p.add_argument("--gib", type=float, default=2.0, help="size of the fp32 array streamed for the reads")
     p.add_argument("--n", type=int, default=2048, help="matmul size n (n x n @ n x n)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -42,25 +62,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def add_ceiling_args(p: argparse.ArgumentParser) -> None:
     """The flags by which a bench gets the ceilings its MBU and MFU divide by (see ceilings())."""
     p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (else measured/cached)")
-    p.add_argument("--flops", type=float, default=None, help="matmul GFLOP/s of the dtype (else measured/cached)")
+    p.add_argument("--flops", type=float, default=None,
+                   help="peak GFLOP/s of the dtype (else measured/cached)")
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="never measure the roofline; MBU/MFU only from --bandwidth/--flops or the cache")
-
-
-def cache_path() -> str:
-    """$TOKENMILL_CACHE_DIR/roofline.json, else ~/.cache/tokenmill/roofline.json (XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill")
-    return os.path.join(root, "roofline.json")
-
-
-def _read_cache() -> dict[str, Any]:
-    try:
-        with open(cache_path(), encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def _write_cache(data: dict[str, Any]) -> None:
@@ -70,10 +75,6 @@ def _write_cache(data: dict[str, Any]) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
     os.replace(tmp, path)
-
-
-def cache_key(threads: int, device: str = "cpu") -> str:
-    return f"{machine()['cpu']}|{device}|threads={threads}"
 
 
 def _sync(device: str) -> None:
@@ -96,6 +97,35 @@ def best(fn: Callable[[], object], reps: int, device: str = "cpu") -> float:
     return min(times)
 
 
+def kernel_peaks(threads: int, reps: int) -> dict[str, float]:
+    """GFLOP/s of the peak loops at `threads` threads, each calibrated to run about PEAK_LOOP_S; 0 for a
+    loop not built here (or with no C++ kernels at all)."""
+    from tokenmill.kernels import load_cpu_kernels
+
+    ops = load_cpu_kernels()
+    out = {}
+    for field, kind in (("peak_fp32_avx512_gflops", "avx512_fp32"), ("peak_bf16_avx512_gflops", "avx512_bf16"),
+                        ("peak_bf16_amx_gflops", "amx_bf16")):
+        rate = 0.0
+        if ops is not None:
+            t0 = time.perf_counter()
+            if float(ops.roofline_peak(kind, 20_000, threads)) > 0:
+                iters = max(20_000, int(20_000 * PEAK_LOOP_S / (time.perf_counter() - t0)))
+                rate = max(float(ops.roofline_peak(kind, iters, threads)) for _ in range(max(1, min(reps, 3))))
+        out[field] = rate / 1e9
+    return out
+
+
+def stream_read(a: Any, threads: int, reps: int) -> float:
+    """GB/s of the streaming read kernel over `a` (0 without the C++ kernels)."""
+    from tokenmill.kernels import load_cpu_kernels
+
+    ops = load_cpu_kernels()
+    if ops is None:
+        return 0.0
+    return max(float(ops.roofline_stream_read(a, threads)) for _ in range(max(1, reps))) / 1e9
+
+
 def measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7, device: str = "cpu") -> dict[str, float]:
     """One thread count's figures (GB/s, GFLOP/s), rounded to 0.1."""
     import torch
@@ -105,8 +135,9 @@ def measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7, device
     a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
     half = a[: a.numel() // 2]
     b = torch.empty_like(half)
-    r = {"mem_read_GBps": a.nbytes / best(a.sum, reps, device) / 1e9,
-         "mem_copy_GBps": 2 * b.nbytes / best(partial(b.copy_, half), reps, device) / 1e9}
+    r = {"mem_read_torch_GBps": a.nbytes / best(a.sum, reps, device) / 1e9,
+         "mem_copy_GBps": 2 * b.nbytes / best(partial(b.copy_, half), reps, device) / 1e9,
+         "mem_read_stream_GBps": stream_read(a, threads, reps) if device == "cpu" else 0.0}
     del a, half, b
     w = torch.randn(8192, 16384, device=device).to(torch.bfloat16)  # 256 MiB of weights, batch of one
     x = torch.randn(1, 16384, device=device).to(torch.bfloat16)
@@ -115,24 +146,22 @@ def measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7, device
     for name, dtype in (("matmul_fp32_gflops", torch.float32), ("matmul_bf16_gflops", torch.bfloat16)):
         m1, m2 = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
         r[name] = 2 * n**3 / best(partial(torch.matmul, m1, m2), 3, device) / 1e9
+    r.update(kernel_peaks(threads, reps) if device == "cpu" else
+             dict.fromkeys(("peak_fp32_avx512_gflops", "peak_bf16_avx512_gflops", "peak_bf16_amx_gflops"), 0.0))
+    r["mem_read_GBps"] = max(r["mem_read_stream_GBps"], r["mem_read_torch_GBps"], r["matvec_bf16_GBps"])
+    r["peak_fp32_gflops"] = max(r["peak_fp32_avx512_gflops"], r["matmul_fp32_gflops"])
+    r["peak_bf16_gflops"] = max(r["peak_bf16_avx512_gflops"], r["peak_bf16_amx_gflops"], r["matmul_bf16_gflops"])
     return {k: round(v, 1) for k, v in r.items()}
-
-
-def lookup(threads: int, device: str = "cpu") -> dict[str, float] | None:
-    hit = _read_cache().get(cache_key(threads, device))
-    if isinstance(hit, dict) and all(k in hit for k in FIELDS):
-        return {k: float(hit[k]) for k in FIELDS}
-    return None
 
 
 def cached_measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7, device: str = "cpu",
                    use_cache: bool = True) -> tuple[dict[str, float], bool]:
     """(figures, came_from_cache) for one thread count; a fresh measurement is saved."""
-    hit = lookup(threads, device) if use_cache else None
+    hit = lookup(threads, device, FIELDS) if use_cache else None
     if hit is not None:
-        return hit, True
+        return {k: hit[k] for k in FIELDS}, True
     figures = measure(threads, gib, n, reps, device)
-    cache = _read_cache()
+    cache = read_cache()
     cache[cache_key(threads, device)] = {**figures, "gib": gib, "n": n, "reps": reps, "loadavg": os.getloadavg()[0],
                                          "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
@@ -142,49 +171,15 @@ def cached_measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7,
     return figures, False
 
 
-def best_cached(device: str = "cpu") -> tuple[dict[str, float], int] | None:
-    """The cached figures of this cpu/device with the highest mem_read_GBps, and their thread count."""
-    prefix = f"{machine()['cpu']}|{device}|threads="
-    found = [(v, int(k[len(prefix):])) for k, v in _read_cache().items()
-             if k.startswith(prefix) and isinstance(v, dict) and all(f in v for f in FIELDS)]
-    if not found:
-        return None
-    figures, threads = max(found, key=lambda item: float(item[0]["mem_read_GBps"]))
-    return {k: float(figures[k]) for k in FIELDS}, threads
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    """The bandwidth and matmul rate MBU/MFU are measured against, and where each came from."""
-
-    bandwidth_gbps: float | None
-    gflops: float | None
-    bandwidth_source: str
-    flops_source: str
-
-
 def ceilings(dtype: str, bandwidth: float | None = None, flops: float | None = None, threads: int | None = None,
              measure_missing: bool = False, device: str = "cpu") -> Ceilings:
     """Given figures win; otherwise the cache (this thread count, or the best cached one); otherwise
-    a measurement if `measure_missing`, else None. `flops` is the matmul rate of `dtype`."""
-    figures, source = None, "none"
-    if bandwidth is None or flops is None:
-        if threads is not None:
-            figures, source = lookup(threads, device), f"cache (threads={threads})"
-        else:
-            found = best_cached(device)
-            if found is not None:
-                figures, source = found[0], f"cache (threads={found[1]})"
-        if figures is None and measure_missing:
-            t = threads or default_num_threads()
-            figures, source = cached_measure(t, device=device)[0], f"measured (threads={t})"
-    flops_key = "matmul_fp32_gflops" if dtype == "float32" else "matmul_bf16_gflops"
-    return Ceilings(
-        bandwidth_gbps=bandwidth if bandwidth is not None else (figures or {}).get("mem_read_GBps"),
-        gflops=flops if flops is not None else (figures or {}).get(flops_key),
-        bandwidth_source="given" if bandwidth is not None else (f"{source}: mem_read_GBps" if figures else "none"),
-        flops_source="given" if flops is not None else (f"{source}: {flops_key}" if figures else "none"),
-    )
+    a measurement if `measure_missing`, else None. `flops` is the peak rate of `dtype`."""
+    c, missing = cached_ceilings(dtype, bandwidth, flops, threads, device)
+    if missing and measure_missing and (bandwidth is None or flops is None):
+        t = threads or default_num_threads()
+        c = from_figures(dtype, cached_measure(t, device=device)[0], f"measured (threads={t})", bandwidth, flops)
+    return c
 
 
 def isa_flags() -> list[str]:
@@ -231,3 +226,7 @@ def run(args: argparse.Namespace) -> int:
                    "cache_file": cache_path()})
     emit(result, ResultSink.from_args(args))
     return 0
+
+
+__all__ = ["CEILING_FIELDS", "FIELDS", "Ceilings", "add_args", "add_ceiling_args", "cached_measure", "ceilings",
+           "measure", "run"]

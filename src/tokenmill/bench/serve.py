@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from tokenmill.bench import serve_batch
 from tokenmill.bench.results import ResultSink, emit
 from tokenmill.bench.serve_client import RequestOptions, RequestResult, send
 from tokenmill.bench.serve_data import (
@@ -67,6 +68,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--save-detailed", action="store_true", help="add per-request figures to the JSON")
     p.add_argument("--label", default=None, help="what the server is (tokenmill, vllm, ...), saved as 'engine'")
+    p.add_argument("--batch-lines", type=int, default=0, metavar="N",
+                   help="also submit a batch of N requests (made like the online ones, seed + 1) through the "
+                        "server's /v1/files and /v1/batches when the online load starts, and report its completion "
+                        "time and throughput (batch_* fields)")
+    p.add_argument("--capacity", type=float, default=None, metavar="TOK_S",
+                   help="the server's output throughput at saturation (a run at --request-rate inf): with "
+                        "--batch-lines, the batch's throughput during the online load is also given as a fraction "
+                        "of the capacity the online load leaves idle")
 
 
 def build_chains(args: argparse.Namespace) -> list[Chain]:
@@ -114,9 +123,10 @@ async def _model_name(client: httpx.AsyncClient) -> str:
         raise ValueError(f"cannot get the model name from /v1/models ({e}); pass --model") from None
 
 
-async def bench(args: argparse.Namespace, chains: list[Chain], opts: RequestOptions
-                ) -> tuple[list[RequestResult], float, RequestOptions]:
-    """Sends every chain; returns the results in request order, the duration and the options used."""
+async def bench(args: argparse.Namespace, chains: list[Chain], opts: RequestOptions,
+                batch: list[Chain] | None = None) -> tuple[list[RequestResult], float, RequestOptions, dict[str, Any]]:
+    """Sends every chain (and submits `batch` as a batch job at the start); returns the results in request
+    order, the duration, the options used and the batch's figures."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, trust_env=False,
@@ -131,6 +141,8 @@ async def bench(args: argparse.Namespace, chains: list[Chain], opts: RequestOpti
         offsets = arrival_offsets(len(chains), args.request_rate, args.burstiness, args.seed)
         sem = asyncio.Semaphore(args.max_concurrency or sum(len(c) for c in chains))
         bar = tqdm(total=sum(len(c) for c in chains), disable=not args.progress, desc="requests", file=sys.stderr)
+        submitted = await serve_batch.submit(client, serve_batch.batch_lines(batch, opts), opts.endpoint) \
+            if batch else None
         t0 = time.perf_counter()
 
         async def run_chain(chain: Chain, offset: float) -> list[RequestResult]:
@@ -145,7 +157,13 @@ async def bench(args: argparse.Namespace, chains: list[Chain], opts: RequestOpti
         per_chain = await asyncio.gather(*(run_chain(c, o) for c, o in zip(chains, offsets)))
         duration = time.perf_counter() - t0
         bar.close()
-    return [r for rs in per_chain for r in rs], duration, opts
+        results = [r for rs in per_chain for r in rs]
+        figures: dict[str, Any] = {}
+        if submitted is not None:
+            tokens_now = await serve_batch.generation_tokens(client)
+            figures = await serve_batch.finish(client, submitted, time.perf_counter(),
+                                               sum(r.output_tokens for r in results if r.ok), tokens_now)
+    return results, duration, opts, figures
 
 
 def _detailed(results: list[RequestResult]) -> list[dict[str, Any]]:
@@ -170,7 +188,11 @@ def run(args: argparse.Namespace) -> int:
     arrival_offsets(1, args.request_rate, args.burstiness, args.seed)  # validates rate and burstiness
     opts = RequestOptions(args.endpoint, args.model or "", args.temperature, args.ignore_eos,
                           _extra_body(args.extra_body))
-    results, duration, opts = asyncio.run(bench(args, chains, opts))
+    if args.batch_lines < 0:
+        raise ValueError(f"--batch-lines must be >= 0, got {args.batch_lines}")
+    batch = build_chains(argparse.Namespace(**{**vars(args), "num_prompts": args.batch_lines, "seed": args.seed + 1})) \
+        if args.batch_lines else None
+    results, duration, opts, batch_figures = asyncio.run(bench(args, chains, opts, batch))
     summary = summarize(results, duration, slo)
     print(render(summary), file=sys.stderr)
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
@@ -183,8 +205,13 @@ def run(args: argparse.Namespace) -> int:
         "prefix_len": args.prefix_len if args.dataset == "shared-prefix" else None,
         "num_prefixes": args.num_prefixes if args.dataset == "shared-prefix" else None,
         "turns": args.turns if args.dataset == "shared-prefix" else None,
-        "slo": slo or None, **summary,
+        "slo": slo or None, **summary, **batch_figures,
     }
+    if batch_figures and args.capacity:
+        idle = args.capacity - summary["output_throughput"]
+        during = batch_figures["batch_output_throughput_during_online"]
+        result.update(capacity_output_throughput=args.capacity, idle_output_throughput=round(idle, 2),
+                      batch_fraction_of_idle=None if during is None or idle <= 0 else round(during / idle, 4))
     if args.save_detailed:
         result["detailed"] = _detailed(results)
     emit(result, ResultSink.from_args(args))

@@ -4,8 +4,9 @@ use at once, the KV cache's dtype, bytes per token and how many of the workload'
 (prompt + output) its pool holds at once, and MBU/MFU estimates.
 
 The estimates divide the least work the run needs by its median wall time and this machine's ceilings
-(`tokenmill bench roofline`, cached):
-  MFU: the FLOPs of every request with nothing cached (ModelCost.request_flops) / matmul FLOP/s.
+(`tokenmill bench roofline`, cached; neither ratio exceeds 1: a rate above its ceiling raises it, and
+`*_ceiling_raised` says so):
+  MFU: the FLOPs of every request with nothing cached (ModelCost.request_flops) / peak FLOP/s of the dtype.
   MBU: the bytes the steps must move at the least (the matmul weights once per step, each request's KV
        as ModelCost.request_kv_bytes counts it) / memory read bandwidth.
 A large batch is compute-bound, so its MFU is the telling figure; batch-1 decode's is MBU (`bench latency`)."""
@@ -24,6 +25,8 @@ from tokenmill.bench.spec_workload import spec_fields
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
 from tokenmill.kv_cache_spec import kv_storage_dtype
+from tokenmill.metrics.ceilings import utilization
+from tokenmill.metrics.step_cost import engine_fields
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -68,13 +71,15 @@ def estimates(cost: ModelCost, lens: list[tuple[int, int]], steps: float, wall_s
     out: dict[str, Any] = {
         "flops": sig(flops), "bytes": sig(nbytes), "achieved_gflops": sig(flops / wall_s / 1e9),
         "achieved_GBps": sig(nbytes / wall_s / 1e9), "mem_read_GBps": roof.bandwidth_gbps,
-        "matmul_gflops": roof.gflops, "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
-        "mfu": None, "mbu": None,
+        "peak_gflops": roof.gflops, "bandwidth_source": roof.bandwidth_source, "flops_source": roof.flops_source,
+        "mfu": None, "mbu": None, "mfu_ceiling_raised": False, "mbu_ceiling_raised": False,
     }
     if roof.gflops:
-        out["mfu"] = sig(flops / wall_s / (roof.gflops * 1e9))
+        u = utilization(flops / wall_s / 1e9, roof.gflops)
+        out.update(mfu=sig(u.ratio), mfu_ceiling_raised=u.raised)
     if roof.bandwidth_gbps:
-        out["mbu"] = sig(nbytes / wall_s / (roof.bandwidth_gbps * 1e9))
+        u = utilization(nbytes / wall_s / 1e9, roof.bandwidth_gbps)
+        out.update(mbu=sig(u.ratio), mbu_ceiling_raised=u.raised)
     return out
 
 
@@ -127,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
         "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": step_count, "steps_runs": steps,
         **estimates(cost, lens, step_count, wall, roof),
+        **engine_fields(stats0.step, llm.engine.stats.step, roof),
         "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_seq_len": seq_len, "kv_seqs_fit": blocks // -(-seq_len // bs),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,

@@ -43,6 +43,11 @@ class BlockPool:
         return len(self._free) + len(self._blank)
 
     @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold prefix-cached KV (reused on a hit, else evicted last)."""
+        return len(self._free)
+
+    @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 

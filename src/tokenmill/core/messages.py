@@ -18,6 +18,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     priority: int = 0
+    priority_class: int = 0  # core.request.PriorityClass
+    group: str = ""  # the batch it belongs to (the scheduler takes turns between batches)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -34,6 +36,23 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StepStats(msgspec.Struct, omit_defaults=True):
+    """The engine core's step counters (engine/step_meter.py), cumulative since start-up unless `last_`:
+    the steps' wall time while busy, the prompt (prefill) and output (decode) tokens they computed,
+    the bytes they read and FLOPs they did as tokenmill.model_math counts them, and the last step's
+    batch composition. Absent when stats are disabled (--disable-log-stats)."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    bytes: float = 0.0
+    flops: float = 0.0
+    last_prefill_tokens: int = 0
+    last_decode_tokens: int = 0
+    last_step_s: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -53,6 +72,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    num_cached_free_blocks: int = 0  # free blocks that still hold prefix-cached KV (counted in num_free_blocks)
+    step: StepStats | None = None
 
 
 class SpecDecodeStats:

@@ -26,6 +26,13 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+class PriorityClass(enum.IntEnum):
+    """Which kind of work a request is; a lower class is scheduled first (vLLM's `priority` field orders
+    requests within a class)."""
+    INTERACTIVE = 0  # API traffic with a client waiting
+    BATCH = 1  # lines of a batch job (/v1/batches, run-batch): run in the capacity interactive work leaves
+
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -45,6 +52,8 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        priority_class: int = PriorityClass.INTERACTIVE,
+        group: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -52,6 +61,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        self.priority_class = int(priority_class)
+        self.group = group  # the batch a request belongs to: the scheduler takes turns between groups
+        self.fair_round = 0  # its turn within its group, set by the scheduler when it is added
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is computed or scheduled to be

@@ -9,7 +9,7 @@ from tokenmill.core.messages import LogprobEntry
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import numpy as np
+    from tokenmill.core.structured_output import GrammarBitmasks
 
 
 @dataclass
@@ -44,8 +44,8 @@ class SchedulerOutput:
     # num_scheduled_tokens): the step verifies them and samples one more
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # the constrained requests that sample this step: int32 [1 + drafts, words] token bitmasks
-    # (core/structured_output.py has the layout)
-    grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
+    # (core/structured_output.py has the layout), or a Future of them (filled off the step loop)
+    grammar_bitmask: GrammarBitmasks = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -1,6 +1,13 @@
 """Iteration-level scheduler: each step one flat batch of decodes and prefill chunks under a
 token budget and a sequence cap; recompute preemption when the KV pool runs out.
 
+Priority classes (`Request.priority_class`): interactive requests come before batch ones in the
+waiting queue and in each step's budget; a waiting request of a higher class takes the seat and the
+blocks of a running request of a lower class (which is preempted), and under KV pressure the lowest
+class is preempted first. Within a class, vLLM's `priority` (lower first) orders requests, then
+requests of different groups (batches) take turns (start-time fair queuing over each group's count
+of requests), then arrival.
+
 Speculative decoding: a request's draft tokens (proposed by the workers with the step before's
 output) are scheduled as extra inputs after its last token, and the workers return the drafts they
 accepted and one more token; the KV of the rejected ones is rolled back before blocks are cached.
@@ -42,16 +49,22 @@ class Scheduler:
         self.structured_output: StructuredOutput = NoStructuredOutput()
         self._structured = False  # a manager other than the no-op is set: ask it and tell it
         self._ended: list[EngineCoreOutput] = []  # requests ended while scheduling, for the next outputs
+        self._group_next_round: dict[str, int] = {}  # per group: the turn its next request gets
+        self._fair_now = 0  # the latest turn admitted: a group that starts (again) starts here
 
     def set_structured_output(self, manager: StructuredOutput) -> None:
-        # a step's bitmasks follow the tokens taken before it: with async scheduling a constrained
-        # request is not scheduled while a step that samples for it is in flight (_waits_for_tokens)
+        # a step's bitmasks follow the tokens taken before it: with async scheduling, a manager that does not
+        # wait for the tokens in flight itself (follows_tokens_in_flight) has a constrained request wait while
+        # a step that samples for it is in flight (_waits_for_tokens)
         self.structured_output = manager
         self._structured = not isinstance(manager, NoStructuredOutput)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        if request.group:
+            request.fair_round = max(self._group_next_round.get(request.group, 0), self._fair_now)
+            self._group_next_round[request.group] = request.fair_round + 1
         self._enqueue(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
@@ -80,9 +93,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._ended)
 
-    def _queue_key(self, req: Request) -> tuple[int, int, float]:
-        # preempted requests go first, then by priority (lower first), then by arrival
-        return (0 if req.status == RequestStatus.PREEMPTED else 1, req.priority, req.arrival_time)
+    def _queue_key(self, req: Request) -> tuple[int, int, int, int, float]:
+        # by class; in a class preempted requests go first, then by priority (lower first), then the
+        # groups' turns, then by arrival
+        return (req.priority_class, 0 if req.status == RequestStatus.PREEMPTED else 1, req.priority,
+                req.fair_round, req.arrival_time)
 
     def _enqueue(self, req: Request) -> None:
         bisect.insort_right(self.waiting, req, key=self._queue_key)
@@ -97,6 +112,8 @@ class Scheduler:
 
         spec: dict[str, list[int]] = {}
         sampling: list[Request] = []  # the requests whose tokens this step reaches the end of
+        self._make_room_for_higher_classes()
+        self.running.sort(key=lambda r: r.priority_class)  # stable: the budget goes to higher classes first
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -141,6 +158,7 @@ class Scheduler:
             if block_ids is None:
                 break
             self.waiting.remove(req)
+            self._fair_now = max(self._fair_now, req.fair_round)
             self.kv.record_prefix_lookup(req, len(computed))
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -164,6 +182,32 @@ class Scheduler:
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, self.config.max_num_batched_tokens - budget,
                                finished, spec, bitmasks)
 
+    def _make_room_for_higher_classes(self) -> None:
+        """Waiting requests of a higher class than some running request (interactive ones over batch
+        lines) get what they need for their first chunk, a seat and blocks, by preempting running requests
+        of a lower class (the lowest first): lower classes only ever use the capacity higher ones leave."""
+        if not self.running or not self.waiting:
+            return
+        budget = self.config.max_num_batched_tokens
+        seats = self.config.max_num_seqs - len(self.running)
+        reserved = 0  # free blocks promised to the waiting requests looked at so far
+        for req in list(self.waiting):
+            if budget <= 0 or req.num_output_placeholders:
+                return
+            lower = [r for r in self.running if r.priority_class > req.priority_class]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = -(-(req.num_computed_tokens + n) // self.block_size) - len(self.kv.block_ids(req.request_id))
+            while (seats < 1 or self.kv.num_free_blocks - reserved < need) and lower:
+                victim = self._pick_victim(lower)
+                lower.remove(victim)
+                self._preempt(victim)
+                seats += 1
+            if seats < 1 or self.kv.num_free_blocks - reserved < need:
+                return
+            seats -= 1
+            reserved += max(need, 0)
+            budget -= n
+
     def _next_waiting(self) -> Request | None:
         """The first waiting request that may be scheduled: with structured output, one whose grammar is
         still compiling is passed over (and one whose grammar fails ends with the error)."""
@@ -184,8 +228,9 @@ class Scheduler:
 
     def _waits_for_tokens(self, req: Request) -> bool:
         """A constrained request's bitmask follows its last token: with a step in flight that samples it,
-        it waits (async scheduling)."""
-        return self._structured and req.sampling_params.structured_outputs is not None
+        it waits (async scheduling), unless the manager fills its bitmask once that token is in."""
+        return (self._structured and not self.structured_output.follows_tokens_in_flight
+                and req.sampling_params.structured_outputs is not None)
 
     def _with_drafts(self, req: Request, budget: int) -> tuple[int, list[int]]:
         """The tokens to compute for a running request with proposals, and the drafts among them:
@@ -228,9 +273,9 @@ class Scheduler:
 
     @staticmethod
     def _pick_victim(candidates: list[Request]) -> Request:
-        # the newest among the lowest-priority (highest priority value) requests not yet
-        # scheduled in this step
-        return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+        # the newest among the lowest-priority (highest class, then highest priority value) requests
+        # not yet scheduled in this step
+        return max(reversed(candidates), key=lambda r: (r.priority_class, r.priority, r.arrival_time))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -342,6 +387,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             peak_used_blocks=self.kv.pool.peak_used_blocks,
+            num_cached_free_blocks=self.kv.pool.num_cached_free_blocks,
             spec_num_drafts=self.spec.num_drafts,
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,

@@ -22,6 +22,7 @@ from typing import Any
 
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.core.messages import EngineCoreOutputs, SchedulerStats
+from tokenmill.core.request import PriorityClass
 from tokenmill.engine.core_client import CoreClient
 from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from tokenmill.engine.llm_engine import child_requests
@@ -167,9 +168,11 @@ class AsyncLLM:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, priority_class: int = PriorityClass.INTERACTIVE,
+                    group: str = "") -> RequestStream:
         """Validates and submits at once (ValueError, QueueFullError, EngineDeadError); whatever the
-        failure, the request leaves nothing behind."""
+        failure, the request leaves nothing behind. `priority_class` and `group` (a batch's id) are the
+        scheduler's (core/scheduler.py)."""
         error = self.dead_error
         if error is not None:
             raise error
@@ -181,14 +184,18 @@ class AsyncLLM:
         now = time.time()
         delta_params = params.clone(output_kind=RequestOutputKind.DELTA)
         children = child_requests(request_id, delta_params)
-        requests = [self.input_processor.make_request(cid, processed, cp, priority, now) for cid, cp in children]
-        self._check_capacity(params.n)  # after validation: a bad request is a ValueError, never a full queue
+        requests = [self.input_processor.make_request(cid, processed, cp, priority, now, priority_class, group)
+                    for cid, cp in children]
+        interactive = priority_class == PriorityClass.INTERACTIVE
+        if interactive:  # batch lines are bounded by their runner and never take the interactive queue's room
+            self._check_capacity(params.n)  # after validation: a bad request is a ValueError, never a full queue
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         try:
             self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                               delta_params, [cid for cid, _ in children], now)
             self._queues[request_id] = queue
-            self._num_seqs[request_id] = params.n
+            if interactive:
+                self._num_seqs[request_id] = params.n
             self.client.add_requests(requests)
         except BaseException:
             self.output_processor.abort(request_id)

@@ -17,8 +17,10 @@ from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import load_tokenizer
+from tokenmill.engine.step_meter import StepMeter
 from tokenmill.executor.abstract import Executor
 from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.metrics.step_cost import model_cost
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
@@ -46,12 +48,14 @@ class EngineCore:
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
         self._failed: list[EngineCoreOutput] = []  # requests of failed steps, not yet reported
         self._failed_steps = 0  # in a row
+        self._meter = StepMeter(model_cost(config)) if config.log_stats else None
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already running")
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                           req.eos_token_ids, req.arrival_time or None, req.priority))
+                                           req.eos_token_ids, req.arrival_time or None, req.priority,
+                                           req.priority_class, req.group))
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.stats(), time.time())
@@ -100,6 +104,8 @@ class EngineCore:
         """A step that raised ends the requests it scheduled, with the error, and the engine goes on
         with the rest; MAX_FAILED_STEPS failures in a row mean the engine itself is broken."""
         self._failed_steps += 1
+        if self._meter is not None:
+            self._meter.dropped(so)
         logger.error("engine step failed (%d in a row); ending its %d requests", self._failed_steps,
                      len(so.num_scheduled_tokens), exc_info=error)
         if self._failed_steps >= MAX_FAILED_STEPS:
@@ -108,7 +114,10 @@ class EngineCore:
         return self.scheduler.fail_requests({rid: message for rid in so.num_scheduled_tokens})
 
     def _schedule(self) -> SchedulerOutput:
+        began = time.perf_counter()
         so = self.scheduler.schedule()
+        if self._meter is not None:
+            self._meter.scheduled(so, self.scheduler.requests, began)
         if not so.total_num_scheduled_tokens and self.scheduler.waiting:
             time.sleep(IDLE_WAIT_S)  # nothing could run (grammars still compiling): the compile thread gets the CPU
         if so.scheduled_new_reqs:  # a request is new to the workers exactly once: its first schedule
@@ -121,8 +130,13 @@ class EngineCore:
         if so is not None and runner_out is not None:
             outputs += self.scheduler.update_from_output(so, runner_out)
             self._failed_steps = 0
+            if self._meter is not None:
+                self._meter.finished(so)
         scheduled, self._scheduled = self._scheduled, {}
-        return EngineCoreOutputs(outputs, self.scheduler.stats(), time.time(), scheduled)
+        stats = self.scheduler.stats()
+        if self._meter is not None:
+            stats.step = self._meter.snapshot()
+        return EngineCoreOutputs(outputs, stats, time.time(), scheduled)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight or self._failed) or self.scheduler.has_unfinished_requests()

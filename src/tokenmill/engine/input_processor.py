@@ -119,7 +119,8 @@ class InputProcessor:
         return list(ids)
 
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                     priority: int = 0, arrival_time: float | None = None) -> EngineCoreRequest:
+                     priority: int = 0, arrival_time: float | None = None, priority_class: int = 0,
+                     group: str = "") -> EngineCoreRequest:
         vocab = self.config.arch.vocab_size
         check_token_ids(params.logit_bias, vocab, "logit_bias")  # the sampler indexes logits with these
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
@@ -131,4 +132,4 @@ class InputProcessor:
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)
         return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
-                                 arrival_time or time.time(), priority)
+                                 arrival_time or time.time(), priority, priority_class, group)

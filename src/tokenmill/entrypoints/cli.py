@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS = [
     "tokenmill.entrypoints.cli_generate",
     "tokenmill.entrypoints.cli_serve",
+    "tokenmill.entrypoints.cli_run_batch",
     "tokenmill.entrypoints.cli_quantize",
     "tokenmill.entrypoints.cli_router",
     "tokenmill.bench.cli",

@@ -34,9 +34,10 @@ def register(subparsers: Any) -> None:
                    help=f"checkpoint directory (default: the demo model, {DEMO_MODEL})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
-    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
-                        "/version (or set TOKENMILL_API_KEY)")
+                        "/version (or set TOKENMILL_API_KEY); repeat it for several callers, each seeing only its "
+                        "own files and batches")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or template text) "
                    "that replaces the tokenizer's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -69,8 +70,43 @@ def register(subparsers: Any) -> None:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    observability_args(p)
+    serving_batch_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run, model_root=None)
+
+
+def observability_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo", default=None, metavar="ttft_ms=..,tpot_ms=..",
+                   help="the service-level objective goodput is measured against (/metrics, /dashboard): a request "
+                        "meets it when its time to first token and time per output token are within these bounds")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="GBps",
+                   help="memory read bandwidth MBU divides by (default: `tokenmill bench roofline`'s cached figure)")
+    p.add_argument("--flops", type=float, default=None, metavar="GFLOPs",
+                   help="peak GFLOP/s of the model's dtype MFU divides by (default: the roofline cache's)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry spans of every request (queue, prefill, decode, detokenize) to this "
+                        "OTLP/HTTP endpoint, e.g. http://127.0.0.1:4318/v1/traces (needs the otel extra)")
+
+
+def check_observability_args(args: argparse.Namespace) -> None:
+    """Refuses bad values before the model loads (ValueError, one line)."""
+    from tokenmill.metrics.slo import SLO
+    from tokenmill.metrics.tracing import require_opentelemetry
+
+    SLO.parse(args.slo)
+    for flag in ("bandwidth", "flops"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag} must be positive, got {value}")
+    if args.otlp_traces_endpoint is not None:
+        require_opentelemetry()
+
+
+def serving_batch_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.entrypoints.openai.batch_config import add_cli_args
+
+    add_cli_args(p)
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
@@ -119,7 +155,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    check_observability_args(args)
     resolve_model_args(args)
+    if args.api_key is None:
+        args.api_key = os.environ.get("TOKENMILL_API_KEY") or None
     if args.num_threads is None:
         args.num_threads = default_num_threads(busy_cpus=API_PROCESS_CPUS)
     if args.async_scheduling is None:

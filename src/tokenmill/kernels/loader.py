@@ -1,6 +1,6 @@
 """Builds (once, cached by torch's extension builder) and loads tokenmill's C++ CPU kernels: every
-.cpp under kernels/cpu/ (attention, linear, elementwise, sampling, fused_decode), compiled into one
-library that registers the ops of `torch.ops.tokenmill_cpu`. Returns None where they cannot be built,
+.cpp under kernels/cpu/ (attention, linear, elementwise, sampling, fused_decode, roofline), compiled
+into one library that registers the ops of `torch.ops.tokenmill_cpu`. Returns None where they cannot be built,
 so callers fall back to their torch path. This is the only module that compiles C++."""
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from torch import nn
 
 
 def use_cpu_kernels(model: nn.Module, ops: Any) -> int:
-    """Route the elementwise layers that have a fused C++ path (norms, rotary, SiLU-and-mul) through
-    `ops`, tokenmill's C++ CPU kernels (None: the torch path). Returns how many layers take them."""
+    """Route the elementwise layers that have a fused path (norms, rotary, SiLU-and-mul) through `ops`:
+    tokenmill's C++ CPU kernels, or on a GPU the Triton ones (kernels/triton/elementwise.py, the same
+    signatures); None: the torch path. Returns how many layers take them."""
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
     from tokenmill.layers.rotary import RotaryEmbedding

@@ -171,6 +171,9 @@ class UnquantizedLinearMethod:
     def __init__(self, ops: Any = None, pack: bool = True) -> None:
         self.pack = pack and packing_available()
         self.gemv_ops = ops if ops is not None and self.pack and _gemv_usable(ops) else None
+        # oneDNN chooses the packed layout per shape (on an AMX Xeon, N = 64 gets one of the same size that
+        # the GEMV does not read), so each (N, K) is checked once against oneDNN's own product
+        self._gemv_reads: dict[tuple[int, int], bool] = {}
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype),
@@ -186,8 +189,17 @@ class UnquantizedLinearMethod:
             return
         layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
         layer.packed = True
-        if self.gemv_ops is not None:
+        if self.gemv_ops is not None and self._gemv_reads_shape(layer):
             self.enable_gemv(layer, self.gemv_ops)
+
+    def _gemv_reads_shape(self, layer: LinearBase) -> bool:
+        key = (layer.output_size, layer.input_size)
+        if key not in self._gemv_reads:
+            self._gemv_reads[key] = gemv_matches_onednn(self.gemv_ops, layer.weight, layer.input_size)
+            if not self._gemv_reads[key]:
+                logger.info("oneDNN packs a %d x %d weight in a layout the GEMV does not read; oneDNN runs it",
+                            *key)
+        return self._gemv_reads[key]
 
     @staticmethod
     def enable_gemv(layer: LinearBase, ops: Any) -> None:
@@ -247,6 +259,23 @@ def gemv_layout_ok(ops: Any) -> bool:
             # bf16 output rounding is 2^-8 relative; a layout error is off by the outputs' own size
             if not torch.allclose(got, expected, rtol=2**-7, atol=1e-2 * float(expected.abs().max())):
                 return False
+    return True
+
+
+@torch.no_grad()
+def gemv_matches_onednn(ops: Any, packed: torch.Tensor, in_features: int) -> bool:
+    """Whether ops.packed_gemv over this packed weight gives oneDNN's product (a layout check: the same
+    bytes read in another order are off by the outputs' own size, not by rounding)."""
+    out_features = int(packed.size(0))
+    if not _is_ab16b64a2b(packed, out_features, in_features):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for rows in GEMV_PROBE_ROWS:
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        expected = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
+        got = ops.packed_gemv(x, packed, None).float()
+        if not torch.allclose(got, expected, rtol=2**-6, atol=1e-2 * float(expected.abs().max())):
+            return False
     return True
 
 

@@ -15,6 +15,8 @@ experts' sum, with the same arithmetic in the same order (per token, experts in 
   that any token chose runs once over all of its tokens; experts nobody chose are not read, so a
   batch-1 decode reads only its k experts' weights;
 - reference (`fused = False`): a loop over every expert, each finding its tokens by a mask.
+The fused decode kernel (kernels/cpu/fused_decode) runs the `fused` path's ops in the same order in
+C++ for the blocks a `DecoderLayout` describes as `RoutedExperts` (models/moe.py: Mixtral's).
 """
 
 from __future__ import annotations

@@ -7,11 +7,15 @@ SchedulerStats the core sends with every step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.core.messages import SchedulerStats
+from tokenmill.metrics.live import LiveStats
+from tokenmill.metrics.tracing import RequestSpanTimes, RequestTracer
+from tokenmill.metrics.vllm_aliases import VllmAliases
 from tokenmill.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -25,6 +29,8 @@ class _RequestTimes:
     arrival: float
     num_prompt_tokens: int
     first_token: float | None = None
+    scheduled: float | None = None
+    detokenize_s: float = 0.0  # the API process's handling of its outputs (traced requests only)
     # per completion index: (first token time, last token time, number of tokens)
     seqs: dict[int, list[float]] = field(default_factory=dict)
 
@@ -33,6 +39,11 @@ class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        # the step window, SLO and dashboard figures, computed when scraped (metrics/live.py)
+        self.live = LiveStats(model_name, time.time())
+        self.registry.register(self.live)
+        self._aliases = CollectorRegistry()  # vllm: names of the same samples, for vLLM's Grafana dashboards
+        self._aliases.register(VllmAliases(self.registry))
         reg, lab = self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -85,9 +96,10 @@ class EngineMetrics:
                                       registry=reg)
         self._requests: dict[str, _RequestTimes] = {}
         self._last_stats = SchedulerStats()
+        self.tracer: RequestTracer | None = None  # set by --otlp-traces-endpoint
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self._aliases)
 
     def request_added(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
         self._requests[request_id] = _RequestTimes(arrival, num_prompt_tokens)
@@ -96,6 +108,7 @@ class EngineMetrics:
         times = self._requests.get(request_id)
         if times is not None and times.first_token is None:
             self.queue.labels(self.model_name).observe(max(0.0, when - times.arrival))
+            times.scheduled = when if times.scheduled is None else times.scheduled
 
     def output(self, out: RequestOutput, now: float) -> None:
         """One DELTA RequestOutput reached the API process."""
@@ -113,12 +126,19 @@ class EngineMetrics:
                 times.seqs[comp.index] = [now, now, n]
             else:
                 self.itl.labels(self.model_name).observe(now - seq[1])
+                self.live.on_latency("itl", now - seq[1], now)
                 seq[1], seq[2] = now, seq[2] + n
+        prompt_tokens = 0
         if new_tokens and times.first_token is None:
             times.first_token = now
             self.ttft.labels(self.model_name).observe(now - times.arrival)
+            self.live.on_latency("ttft", now - times.arrival, now)
             self.prompt_tokens.labels(self.model_name).inc(times.num_prompt_tokens)
+            prompt_tokens = times.num_prompt_tokens
         self.generation_tokens.labels(self.model_name).inc(new_tokens)
+        self.live.on_tokens(prompt_tokens, new_tokens, now)
+        if self.tracer is not None:
+            times.detokenize_s += time.time() - now
         if out.finished:
             reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
             self.request_finished(out.request_id, reasons[0] if reasons else "stop", now)
@@ -129,12 +149,25 @@ class EngineMetrics:
             return
         self.finished.labels(self.model_name, reason).inc()
         self.e2e.labels(self.model_name).observe(now - times.arrival)
+        worst_tpot: float | None = None
         for first, last, n in times.seqs.values():
             if n > 1:
-                self.tpot.labels(self.model_name).observe((last - first) / (n - 1))
+                tpot = (last - first) / (n - 1)
+                self.tpot.labels(self.model_name).observe(tpot)
+                self.live.on_latency("tpot", tpot, now)
+                worst_tpot = tpot if worst_tpot is None else max(worst_tpot, tpot)
+        ttft = None if times.first_token is None else times.first_token - times.arrival
+        if reason != "abort":  # a request the client gave up on is not judged against the SLO
+            self.live.on_finished(ttft, worst_tpot, now)
+        if self.tracer is not None:
+            last_token = max((seq[1] for seq in times.seqs.values()), default=None)
+            self.tracer.request_done(RequestSpanTimes(
+                request_id, times.arrival, times.scheduled, times.first_token, last_token, time.time(), now,
+                times.detokenize_s, times.num_prompt_tokens, sum(int(seq[2]) for seq in times.seqs.values()), reason))
 
-    def scheduler_stats(self, stats: SchedulerStats) -> None:
+    def scheduler_stats(self, stats: SchedulerStats, now: float | None = None) -> None:
         m, last = self.model_name, self._last_stats
+        self.live.on_stats(stats, time.time() if now is None else now)
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)

@@ -48,17 +48,33 @@ class CausalLM(Protocol):
 
 
 @dataclass
+class RoutedExperts:
+    """A sparse layer's routed experts in the layout the fused CPU decode kernel reads: softmax router
+    scores, greedy top-k, optional renormalisation, a scaling factor, no shared expert (Mixtral's block;
+    layers.moe.route's `greedy` method with `softmax` scoring)."""
+
+    router: torch.Tensor  # [experts, hidden] float32
+    gate_up: list[LinearBase]  # one per expert, in expert order
+    down: list[LinearBase]
+    top_k: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+@dataclass
 class DecoderLayerWeights:
-    """One pre-norm decoder layer in the layout the fused CPU decode kernel reads."""
+    """One pre-norm decoder layer in the layout the fused CPU decode kernel reads: its MLP is either
+    the dense SiLU-gated `gate_up`/`down` or, where they are None, the routed `experts`."""
 
     input_norm: torch.Tensor
     qkv: LinearBase
     o_proj: LinearBase
     post_norm: torch.Tensor
-    gate_up: LinearBase
-    down: LinearBase
+    gate_up: LinearBase | None
+    down: LinearBase | None
     kv_cache: torch.Tensor  # the layer's bound [2, blocks, block_size, kv_heads, head_dim] cache
     kv_scales: KVScales | None = None  # a quantized cache's K and V scales (--kv-cache-dtype int8 / fp8_e4m3)
+    experts: RoutedExperts | None = None
 
 
 @dataclass

@@ -141,18 +141,27 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_decoder_weights(self, weights, self.cfg.tie_word_embeddings)
 
+    def describe_mlp(self, mlp: nn.Module, weights: DecoderLayerWeights) -> bool:
+        """Fill `weights`' MLP fields from a layer's MLP; False where the fused path cannot run it (it runs
+        dense SiLU-gated MLPs, and the routed experts a subclass describes)."""
+        if not isinstance(mlp, MLP):
+            return False
+        weights.gate_up, weights.down = mlp.gate_up_proj, mlp.down_proj
+        return True
+
     def decoder_layout(self) -> DecoderLayout | None:
         cfg = self.cfg
         if cfg.qk_norm or self.rotary.rot_dim != cfg.head_dim:
             return None
         layers = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
-            attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(mlp, MLP):
-                return None  # the fused path runs dense SiLU-gated MLPs only
-            layers.append(DecoderLayerWeights(layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
-                                              layer.post_attention_layernorm.weight, mlp.gate_up_proj,
-                                              mlp.down_proj, attn.attn.kv_cache, attn.attn.kv_scales))
+            attn = layer.self_attn
+            weights = DecoderLayerWeights(layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
+                                          layer.post_attention_layernorm.weight, None, None, attn.attn.kv_cache,
+                                          attn.attn.kv_scales)
+            if not self.describe_mlp(layer.mlp, weights):
+                return None
+            layers.append(weights)
         return DecoderLayout(self.embed_tokens.weight, layers, self.norm.weight, self.lm_head,
                              self.rotary.cos_cache, self.rotary.sin_cache, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.sliding_window)

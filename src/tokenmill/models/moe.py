@@ -1,7 +1,9 @@
 """Mixture-of-experts decoders on the Llama decoder: Mixtral, Qwen2-MoE (shared expert with a sigmoid
 gate, qkv bias) and Qwen3-MoE (q/k RMSNorm). Attention, norms, rotary and loading are the Llama
 family's; each sparse layer's MLP is a `layers.moe.SparseMoeBlock` (ArchConfig.moe says which layers
-are sparse and how they route), the other layers keep the dense MLP.
+are sparse and how they route), the other layers keep the dense MLP. A model whose sparse blocks
+route by softmax and greedy top-k with no shared expert (Mixtral) describes them to the fused decode
+path (`describe_mlp`); the others keep the layer loop for decode.
 
 Checkpoint layouts: per-expert tensors (`mlp.experts.N.gate_proj/up_proj/down_proj`, Mixtral's
 `block_sparse_moe.experts.N.w1/w3/w2` and `block_sparse_moe.gate`) and transformers 5's fused
@@ -13,13 +15,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 from torch import nn
 
 from tokenmill.arch import ArchConfig
-from tokenmill.layers.moe import SparseMoeBlock
-from tokenmill.models.interface import DecoderLayout, ModelOptions
+from tokenmill.layers.moe import ExpertMLP, SparseMoeBlock
+from tokenmill.models.interface import DecoderLayerWeights, ModelOptions, RoutedExperts
 from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM
 
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
@@ -73,6 +76,18 @@ class MoEForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(expert_checkpoint_names(weights))
 
-    def decoder_layout(self) -> DecoderLayout | None:
-        """None: the fused C++ decode path runs dense MLPs only."""
-        return None
+    def describe_mlp(self, mlp: nn.Module, weights: DecoderLayerWeights) -> bool:
+        """Dense layers as the Llama family's; a sparse block whose routing the fused decode kernel runs
+        (softmax scores, greedy top-k, no shared expert, the fused grouped-by-expert path on) as
+        `RoutedExperts`."""
+        if not isinstance(mlp, SparseMoeBlock):
+            return super().describe_mlp(mlp, weights)
+        moe = mlp.cfg
+        if (not mlp.fused or mlp.shared_expert is not None or moe.scoring != "softmax"
+                or moe.topk_method != "greedy" or mlp.gate.e_score_correction_bias is not None):
+            return False
+        experts = cast(list[ExpertMLP], list(mlp.experts))
+        weights.experts = RoutedExperts(mlp.gate.weight, [e.gate_up_proj for e in experts],
+                                        [e.down_proj for e in experts], moe.top_k, moe.norm_topk_prob,
+                                        moe.routed_scaling_factor)
+        return True

@@ -5,11 +5,18 @@ Compilation runs in a thread pool, cached by grammar (an LRU of futures, so requ
 share one compilation, even while it runs); the scheduler keeps a request waiting until its grammar is
 ready (is_ready) and schedules the others. Each request gets its own matcher, advanced with the tokens it
 takes; draft tokens are tried and rolled back to build their bitmask rows. A request keeps its matcher
-when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own."""
+when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own.
+
+A step's bitmasks are filled on a thread of their own (one xgrammar batch call for the rows without
+drafts; xgrammar releases the GIL) while the step is prepared and its forward runs; the worker waits for
+them when it samples. A request's rows are filled once every token before them was told (accept_tokens),
+so with async scheduling the fill for a step waits for the output of the step before it
+(follows_tokens_in_flight)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +28,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.request import Request
-from tokenmill.core.structured_output import bitmask_words
+from tokenmill.core.structured_output import GrammarBitmasks, bitmask_words
 from tokenmill.structured.bitmask import pack_allowed
 from tokenmill.structured.grammar import GrammarKey, build_grammar, grammar_key
 
@@ -37,9 +44,17 @@ class _Matcher:
     matcher: xgr.GrammarMatcher
     stop_mask: np.ndarray  # [words] int32: the stop tokens' bits
     next_mask: np.ndarray | None = None  # [words]: the bitmask after the tokens taken, when already filled
+    num_accepted: int = 0  # the request's tokens told so far
+    freed: bool = False  # the request finished: a fill still waiting for its tokens waits no more
+
+
+# one step's fill: (request id, its matcher, how many of its tokens come before the row, its drafts)
+_FillJob = tuple[str, _Matcher, int, list[int]]
 
 
 class XGrammarBackend:
+    follows_tokens_in_flight = True
+
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
                  cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1) -> None:
         self._load_tokenizer = load_tokenizer
@@ -47,6 +62,11 @@ class XGrammarBackend:
         self.words = bitmask_words(vocab_size)
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="tokenmill-grammar")
+        # the steps' bitmasks, in the order the steps were scheduled
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
+        self._told = threading.Condition()  # notified when tokens are told, a request is freed, or at shutdown
+        self._closed = False
+        self._batch: xgr.BatchGrammarMatcher | None = None
         self._compiler: xgr.GrammarCompiler | None = None  # made by the pool, on the first compilation
         self._compiled: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._matchers: dict[str, _Matcher] = {}
@@ -96,16 +116,50 @@ class XGrammarBackend:
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(request.eos_token_ids) or None)
         for tok in request.output_token_ids:  # none but for a request that had tokens before this backend
             matcher.accept_token(tok)
-        return _Matcher(matcher, pack_allowed(matcher.stop_token_ids, self.vocab_size))
+        return _Matcher(matcher, pack_allowed(matcher.stop_token_ids, self.vocab_size),
+                        num_accepted=len(request.output_token_ids))
 
     def grammar_bitmask(self, requests: Sequence[Request],
-                        drafts: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
+                        drafts: Mapping[str, list[int]]) -> GrammarBitmasks:
+        """The step's bitmasks, filled on the fill thread once the constrained requests' tokens before
+        this step (those of the steps still in flight too) were told."""
+        jobs: list[_FillJob] = []
         for req in requests:
             state = self._matchers.get(req.request_id)
-            if state is None:
+            if state is not None:  # the tokens before this step's: taken, and sampled by the steps in flight
+                before = req.num_output_tokens + req.num_output_placeholders - 1
+                jobs.append((req.request_id, state, before, drafts.get(req.request_id, [])))
+        if not jobs:
+            return {}
+        return self._fill_pool.submit(self._fill, jobs)
+
+    def _fill(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
+        with self._told:
+            self._told.wait_for(lambda: self._closed or all(st.freed or st.num_accepted >= before
+                                                            for _, st, before, _ in jobs))
+        out: dict[str, np.ndarray] = {}
+        live = [(rid, st) for rid, st, _, d in jobs if not d and not st.freed and not st.matcher.is_terminated()]
+        if live:  # the rows without drafts, in one call
+            rows = np.full((len(live), self.words), -1, np.int32)
+            fresh = [k for k, (_, st) in enumerate(live) if st.next_mask is None]
+            if fresh:
+                if self._batch is None:
+                    import xgrammar as xgr
+
+                    self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+                self._batch.batch_fill_next_token_bitmask([live[k][1].matcher for k in fresh],
+                                                          torch.from_numpy(rows), fresh)
+            for k, (rid, st) in enumerate(live):
+                if st.next_mask is not None:
+                    rows[k] = st.next_mask
+                out[rid] = rows[k:k + 1]
+        for rid, st, _, d in jobs:
+            if rid in out:
                 continue
-            out[req.request_id] = self._rows(state, drafts.get(req.request_id, []))
+            if st.freed or st.matcher.is_terminated():  # ended: the row is never used
+                out[rid] = np.full((1 + len(d), self.words), -1, np.int32)
+            else:
+                out[rid] = self._rows(st, d)
         return out
 
     def _rows(self, state: _Matcher, drafts: list[int]) -> np.ndarray:
@@ -131,13 +185,21 @@ class XGrammarBackend:
         state = self._matchers.get(request.request_id)
         if state is None:
             return False
+        try:
+            return self._accept(request.request_id, state, token_ids)
+        finally:
+            with self._told:  # the fill waiting for these tokens may go on
+                state.num_accepted += len(token_ids)
+                self._told.notify_all()
+
+    def _accept(self, request_id: str, state: _Matcher, token_ids: list[int]) -> bool:
         state.next_mask = None
         matcher = state.matcher
         for tok in token_ids:
             if matcher.is_terminated():
                 break
             if not matcher.accept_token(tok):
-                logger.warning("request %s: token %d breaks its grammar", request.request_id, tok)
+                logger.warning("request %s: token %d breaks its grammar", request_id, tok)
                 return True
         if matcher.is_terminated():
             return True
@@ -150,7 +212,11 @@ class XGrammarBackend:
         return not np.any(mask[0] & ~state.stop_mask)
 
     def free(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+        state = self._matchers.pop(request_id, None)
+        if state is not None:
+            with self._told:
+                state.freed = True
+                self._told.notify_all()
 
     # ---- for speculative decoding ------------------------------------------------------------
     def validate_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
@@ -174,6 +240,11 @@ class XGrammarBackend:
         if state is not None and num_tokens > 0:
             state.next_mask = None
             state.matcher.rollback(num_tokens)
+            state.num_accepted -= num_tokens
 
     def shutdown(self) -> None:
+        with self._told:
+            self._closed = True
+            self._told.notify_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,9 +1,13 @@
 """The fused CPU decode path: a pure-decode step's whole layer loop in one C++ call
-(kernels: `decode_layers`), or embedding, layers, lm_head and argmax in one (`decode_greedy`).
+(kernels: `decode_layers`), or embedding, layers, lm_head and argmax in one (`decode_greedy`; with
+structured output's token bitmask, the argmax over the allowed tokens). A layer's MLP is dense or
+routed experts (Mixtral's block: the kernel routes and runs each chosen expert once over its rows,
+as layers.moe.SparseMoeBlock's fused path does).
 
 The runner builds it for a model that describes itself as a `DecoderLayout` (models/interface.py),
 on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes, or
-a quantized one (int8, int4, W8A8) that its method runs with the C++ kernels (`fused_projection`); the
+a quantized one (int8, int4, W8A8; routed experts bf16 only) that its method runs with the C++ kernels
+(`fused_projection`); the
 C++ calls run the same kernels in the same order as the Python layer loop with that backend, so they
 give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS rows (the torch reference
 beyond), so a model with them is fused up to that many rows. It reads the backend's decode tables through
@@ -21,14 +25,37 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu import CpuBackend
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
 from tokenmill.layers.quantization import FusedProjection, fused_projection
-from tokenmill.models.interface import DecoderLayout, SupportsDecoderLayout
+from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
+
+ONEDNN_ONLY = -1  # the kernel's mark for a packed weight the GEMV does not read (oneDNN runs it)
 
 
 def _gemv_ptr(layer: LinearBase) -> int:
-    """The GEMV's packed-weight address for an unquantized packed layer, else 0."""
+    """The GEMV's packed-weight address for an unquantized packed layer, ONEDNN_ONLY for one whose
+    packed layout the GEMV does not read, else 0."""
     if not isinstance(layer.method, UnquantizedLinearMethod):
         return 0
-    return layer.method.gemv_data_ptr(layer)
+    ptr = layer.method.gemv_data_ptr(layer)
+    return ptr if ptr or not layer.packed else ONEDNN_ONLY
+
+
+def _projections(layer: DecoderLayerWeights) -> list[LinearBase]:
+    """The layer's projections in the order the kernel takes their GEMV addresses: qkv, o, then the
+    dense gate_up and down, or every expert's gate_up and then every expert's down."""
+    if layer.experts is not None:
+        return [layer.qkv, layer.o_proj, *layer.experts.gate_up, *layer.experts.down]
+    assert layer.gate_up is not None and layer.down is not None
+    return [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+
+
+def _routing(layout: DecoderLayout) -> tuple[int, int, bool, float] | None:
+    """(experts, top_k, norm_topk_prob, routed_scaling_factor) that every sparse layer of the layout
+    shares (experts 0 where every layer is dense), or None where they differ (the kernel takes one)."""
+    routing = {(len(r.gate_up), r.top_k, r.norm_topk_prob, r.routed_scaling_factor)
+               for r in (layer.experts for layer in layout.layers) if r is not None}
+    if len(routing) > 1:
+        return None
+    return routing.pop() if routing else (0, 0, False, 1.0)
 
 
 def _fusable(layer: LinearBase) -> bool:
@@ -39,19 +66,32 @@ class FusedDecode:
     def __init__(self, layout: DecoderLayout, ops: Any, backend: CpuBackend) -> None:
         self.ops = ops
         self.backend = backend
+        empty = layout.final_norm.new_empty(0)
         weights: list[torch.Tensor] = []
+        expert_weights: list[torch.Tensor] = []  # per sparse layer: router, gate_ups, downs
         ptrs: list[int] = []
         quant: list[torch.Tensor] = []
         kinds: list[int] = []
         self.max_rows: int | None = None  # the most rows of a step it takes (None: any)
-        empty = layout.final_norm.new_empty(0)
         for layer in layout.layers:
-            projections = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            fused = [fused_projection(m) for m in projections]
-            w = [f.weight if f is not None else m.weight for m, f in zip(projections, fused, strict=True)]
             bias = layer.qkv.bias if layer.qkv.bias is not None else empty
-            weights += [layer.input_norm, w[0], bias, w[1], layer.post_norm, w[2], w[3]]
-            ptrs += [_gemv_ptr(m) for m in projections]
+            # attention's projections, and a dense layer's MLP, may be quantized; routed experts are bf16
+            # (create declines others). The kernel takes four quant/kind slots per layer: a sparse layer's
+            # MLP slots are float ones.
+            projections: list[LinearBase | None] = [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+            fused = [fused_projection(m) if m is not None else None for m in projections]
+            w = [f.weight if f is not None else m.weight if m is not None else empty
+                 for m, f in zip(projections, fused, strict=True)]
+            mlp: list[torch.Tensor]
+            if layer.experts is None:
+                assert layer.gate_up is not None and layer.down is not None
+                mlp = [w[2], w[3]]
+            else:  # empty slots mark a sparse layer
+                mlp = [empty, empty]
+                expert_weights += [layer.experts.router, *(m.weight for m in layer.experts.gate_up),
+                                   *(m.weight for m in layer.experts.down)]
+            weights += [layer.input_norm, w[0], bias, w[1], layer.post_norm, *mlp]
+            ptrs += [_gemv_ptr(m) for m in _projections(layer)]
             for f in fused:
                 quant += list(f.quant) if f is not None else [empty, empty]
                 kinds += list(f.kind) if f is not None else [0, 0, 0]
@@ -66,8 +106,11 @@ class FusedDecode:
                           for t in (layer.kv_scales.k, layer.kv_scales.v)]
         # what every call passes, gathered once: module attribute lookups cost more than the Python call
         self._static = (layout.cos, layout.sin, weights, self.gemv_ptrs, layout.final_norm)
+        routing = _routing(layout)
+        assert routing is not None
         self._dims = (layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.rms_norm_eps, layout.scale,
-                      layout.sliding_window or 0, True, self.quant, self.linear_kinds, self.kv_scales)
+                      layout.sliding_window or 0, True, self.quant, self.linear_kinds, self.kv_scales,
+                      expert_weights, *routing)
         self.embed = layout.embed
         lm_head = layout.lm_head
         self._lm_head: tuple[Any, ...] | None = None
@@ -93,8 +136,12 @@ class FusedDecode:
             return None
         if not any(quantized_kv) and any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers):
             return None
+        if _routing(layout) is None:
+            return None
         for layer in layout.layers:
-            if not all(_fusable(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):
+            dense = [layer.qkv, layer.o_proj] + ([] if layer.experts is not None else _projections(layer)[2:])
+            experts = _projections(layer)[2:] if layer.experts is not None else []
+            if not all(_fusable(m) for m in dense) or not all(m.packed and _gemv_ptr(m) for m in experts):
                 return None
         return cls(layout, ops, backend)
 
@@ -116,11 +163,13 @@ class FusedDecode:
         out: torch.Tensor = self.ops.decode_layers(h, positions, *self._args(meta))
         return out
 
-    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Each row's argmax token of a pure-decode step whose rows are all plain greedy, or None where
-        the lm_head is not packed (the caller takes the Python path then)."""
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Each row's argmax token of a pure-decode step whose rows are all plain greedy (over the tokens
+        each row's bitmask allows, where one is given), or None where the lm_head is not packed (the caller
+        takes the Python path then)."""
         if self._lm_head is None:
             return None
         ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
-                                                   *self._lm_head)
+                                                   *self._lm_head, bitmask)
         return ids

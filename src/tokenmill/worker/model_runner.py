@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, output_rows
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, output_rows, to_device
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kv_cache_spec import KVCacheConfig
 from tokenmill.spec_decode.proposer import ProposalInput, Proposer
+from tokenmill.worker.cuda_graphs import DecodeGraphs, graphable
 from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
 from tokenmill.worker.kv_cache import KVCacheTensors
@@ -55,6 +56,13 @@ class ModelRunner:
         self._hidden: torch.Tensor | None = None  # the sampled rows' hidden states, for a proposer that needs them
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it
         self.fused_decode = FusedDecode.create(model, ops, backend)
+        # on a GPU, pure-decode steps replay CUDA graphs (off with --enforce-eager)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.device.enforce_eager and graphable(model, backend):
+            self.graphs = DecodeGraphs(model, config.scheduler.max_num_seqs, config.scheduler.max_model_len,
+                                       self.block_size, self.device)
+            with torch.inference_mode():
+                self.graphs.capture_all()
         # only the sampled rows through the last layer's attention output and MLP (OutputRows);
         # False runs every row through it, the reference path the tests compare with
         self.output_rows_only = True
@@ -91,7 +99,7 @@ class ModelRunner:
             if step.sample_drafts and (q := getattr(self.proposer, "draft_probs", None)):
                 sampling.draft_probs = draft_probs_of(step.sample_req_ids, step.sample_drafts, q)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(self.device),
+            slot_mapping=to_device(torch.from_numpy(step.slot_mapping), self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
             num_decodes=step.num_decodes, block_size=self.block_size)
         self.backend.prepare(meta, self.device)
@@ -121,16 +129,23 @@ class ModelRunner:
     def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None,
                  sampling: SamplingMetadata | None) -> ModelRunnerOutput:
         step.fill_pending_inputs()
-        input_ids = torch.from_numpy(step.input_ids).to(self.device)
-        positions = torch.from_numpy(step.positions).to(self.device)
+        input_ids = to_device(torch.from_numpy(step.input_ids), self.device)
+        positions = to_device(torch.from_numpy(step.positions), self.device)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
         states = step.sample_states
-        greedy = sampling is not None and sampling.all_plain_greedy  # (and then no bitmask)
-        fused = self.fused_decode
-        if fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
+        greedy = sampling is not None and sampling.all_argmax  # (over the allowed tokens, with a bitmask)
+        fused, graphs = self.fused_decode, self.graphs
+        if graphs is not None and rows is None and graphs.applies(meta, len(step.input_ids)):
+            hidden = graphs.run(input_ids, positions, meta)
+        elif fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
             if (greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows
                     and not getattr(self.proposer, "needs_hidden_states", False)):
-                ids = fused.greedy(input_ids, positions, meta)
+                assert sampling is not None
+                # bitmasks still being filled: the forward first, then the lm_head and argmax once they are in
+                ids = None
+                if sampling.bitmask_ready:
+                    sampling.await_bitmask()
+                    ids = fused.greedy(input_ids, positions, meta, sampling.bitmask)
                 if ids is not None:  # the whole step in one call, to its tokens
                     self._record(step, out, SamplerOutput([[t] for t in ids.tolist()]))
                     return out
@@ -150,6 +165,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
         if getattr(self.proposer, "needs_hidden_states", False):
             self._hidden = hidden
+        sampling.await_bitmask()
         self._record(step, out, self.sampler(logits, sampling))  # (plain greedy rows: the C++ argmax alone)
 
     @staticmethod

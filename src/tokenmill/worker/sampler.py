@@ -193,19 +193,36 @@ def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[
     return out
 
 
+def host_list(t: torch.Tensor) -> list[int]:
+    """A tensor's values as a list. From a GPU: copied into pinned memory without blocking and waited for
+    by an event, so that only this thread waits (the step's worker thread; the core thread schedules the
+    next step meanwhile)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return host.tolist()
+
+
 class Sampler:
     def __init__(self, ops: Any = None) -> None:
         self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 logits
 
-    def argmax(self, logits: torch.Tensor) -> list[int] | None:
-        """Each row's argmax by the C++ kernel (the first of equal maxima, as torch's), or None where
-        it does not apply. For rows that are all plain greedy: the caller checks that."""
+    def argmax(self, logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> list[int] | None:
+        """Each row's argmax by the C++ kernel (the first of equal maxima, as torch's), over the tokens
+        the row's bitmask allows where one is given, or None where it does not apply. For rows that are
+        all argmax (SamplingMetadata.all_argmax): the caller checks that."""
         if self.ops is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
-            return self.ops.argmax_rows(logits).tolist()
+            if bitmask is None:
+                return self.ops.argmax_rows(logits).tolist()
+            return self.ops.argmax_rows_masked(logits, bitmask).tolist()
         return None
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if meta.all_plain_greedy and (ids := self.argmax(logits)) is not None:
+        if meta.all_argmax and (ids := self.argmax(logits, meta.bitmask)) is not None:
             return _with_rows(SamplerOutput(meta.runs(ids)), ids, meta)
         logits = logits.to(torch.float32, copy=True)  # the sampler's own: processors and _choose work in place
         if meta.bitmask is not None:  # before anything else reads the logits
@@ -214,7 +231,7 @@ class Sampler:
         if meta.processors:
             apply_logit_processors(logits, [r for _, r in meta.processors], [i for i, _ in meta.processors])
         chosen = self._choose(logits, meta)
-        row_ids = chosen.tolist()
+        row_ids = host_list(chosen)
         out = _with_rows(SamplerOutput(meta.runs(row_ids)), row_ids, meta)
         if raw_logprobs is not None and meta.logprobs is not None:
             entries = topn_logprobs(raw_logprobs, chosen, max(meta.logprobs))

@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import torch
 
+from tokenmill.core.structured_output import GrammarBitmasks
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.rejection_sampler import accepted_run
 
@@ -72,6 +74,9 @@ class SamplingMetadata:
     num_requests: int
     drafts: dict[int, list[int]] = field(default_factory=dict)  # request index -> its drafts
     bitmask: torch.Tensor | None = None  # [R, words] int32 (core/structured_output.py); None: unconstrained
+    # the bitmasks being filled off the step loop, with the requests' ids in order and the device; the
+    # worker takes them (await_bitmask) when it samples, after the forward
+    bitmask_pending: tuple[Future[dict[str, np.ndarray]], Sequence[str], torch.device | None] | None = None
     # request index -> [drafts, vocab]: the distributions its drafts were sampled from (draft_model)
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -83,7 +88,27 @@ class SamplingMetadata:
     def all_plain_greedy(self) -> bool:
         """Whether argmax alone gives every row's token (checked when the step runs: min_tokens
         counts the tokens taken since the step was built)."""
-        return not self.never_plain and self.bitmask is None and all(is_plain_greedy(r) for r in self.pending_plain)
+        return self.bitmask is None and self.bitmask_pending is None and self.all_argmax
+
+    @property
+    def bitmask_ready(self) -> bool:
+        """Whether await_bitmask would not wait."""
+        return self.bitmask_pending is None or self.bitmask_pending[0].done()
+
+    def await_bitmask(self) -> None:
+        """Wait for bitmasks filled off the step loop and set `bitmask` from them."""
+        if self.bitmask_pending is not None:
+            future, req_ids, device = self.bitmask_pending
+            self.bitmask_pending = None
+            masks = future.result()
+            if masks:
+                self.bitmask = _assemble_bitmask(self, req_ids, masks, device)
+
+    @property
+    def all_argmax(self) -> bool:
+        """Whether each row's token is the argmax over the tokens its bitmask allows (every token where
+        there is none): all_plain_greedy, with or without a bitmask."""
+        return not self.never_plain and all(is_plain_greedy(r) for r in self.pending_plain)
 
     @cached_property
     def first_rows(self) -> list[int]:
@@ -181,9 +206,9 @@ class SamplingTable:
         self.rows.pop()
 
     def view(self, req_ids: Sequence[str], drafts: dict[int, list[int]] | None = None,
-             bitmasks: dict[str, np.ndarray] | None = None, device: torch.device | None = None) -> SamplingMetadata:
+             bitmasks: GrammarBitmasks | None = None, device: torch.device | None = None) -> SamplingMetadata:
         """The rows of these requests (in this order; request i with drafts[i] takes 1 + k rows), with
-        the token bitmasks of those constrained."""
+        the token bitmasks of those constrained (or the Future of them, for await_bitmask)."""
         self._refresh_pending()
         idx = np.fromiter(map(self.index.__getitem__, req_ids), np.int64, len(req_ids))
         rows = idx
@@ -204,7 +229,9 @@ class SamplingTable:
             [self.rows[i] for i in idx[self.pending_plain[idx]]] if self._pending else [],
             [], [], [], None if lp is None or not (lp >= 0).any() else lp.tolist(), len(idx), dict(drafts or {}))
         self._per_request(meta, idx)
-        if bitmasks:
+        if isinstance(bitmasks, Future):
+            meta.bitmask_pending = (bitmasks, req_ids, device)
+        elif bitmasks:
             meta.bitmask = _assemble_bitmask(meta, req_ids, bitmasks, device)
         return meta
 

@@ -55,6 +55,10 @@ class Worker:
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
                                      self._linear_method())
         use_cpu_kernels(self.model, self.ops)
+        if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers
+            from tokenmill.kernels.triton.elementwise import TritonOps
+
+            use_cpu_kernels(self.model, TritonOps())
         self.backend = get_backend(cfg.attention_backend)
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, cfg.model.dtype)
         check_kv_cache_dtype(self.backend, self.kv_dtype)

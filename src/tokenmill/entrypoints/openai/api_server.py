@@ -109,7 +109,9 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
         await asyncio.sleep(0)  # the task starts the core process before the web stack is imported
         import uvicorn
 
+        from tokenmill.entrypoints.openai import observability, serving_batch
         from tokenmill.entrypoints.openai.app import build_app
+        from tokenmill.entrypoints.openai.batch_config import config_from_args
         from tokenmill.entrypoints.openai.lifecycle import CLOSE_GRACE, EXIT_ENGINE_DEAD, ServerLifecycle
         from tokenmill.entrypoints.openai.serving_engine import ServerContext
 
@@ -127,8 +129,12 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
         # the grammar library (structured output) checks constraints here: loaded beside serving, not by the
         # first request that has one
         asyncio.get_running_loop().run_in_executor(None, importlib.import_module, "xgrammar")
+        observability.apply(engine, args)
         lifecycle = ServerLifecycle(engine, args.shutdown_timeout)
-        app = lifecycle.wrap(build_app(ctx, args.api_key, args.max_request_bytes))
+        batch_config = config_from_args(args)
+        batches = serving_batch.open_runner(batch_config)
+        app = lifecycle.wrap(build_app(ctx, args.api_key, args.max_request_bytes, batches, batch_config,
+                                       lambda: lifecycle.refusal is not None))
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log, lifespan="off",
                                 timeout_graceful_shutdown=int(CLOSE_GRACE), timeout_keep_alive=30)
         port = sock.getsockname()[1]
@@ -136,10 +142,14 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
                 f"(engine core pid {engine.client.pid}, {engine.num_blocks} KV blocks)")
         server = _make_server(config, line, launched, lifecycle)
         lifecycle.start(lambda: setattr(server, "should_exit", True))
+        await batches.start()  # resumes the batches a stop or a crash left unfinished
         beat = _register_with_router(args, port)
-        await server.serve(sockets=[sock])
-        if beat is not None:
-            beat.cancel()
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if beat is not None:
+                beat.cancel()
+            await batches.stop()
         if not server.started:
             print(f"tokenmill: error: could not serve on {args.host}:{port} (see above)", file=sys.stderr)
             return EXIT_ENGINE_DEAD
@@ -150,3 +160,5 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
     finally:
         sock.close()
         await engine.shutdown()
+        if engine.metrics.tracer is not None:
+            engine.metrics.tracer.shutdown()  # exports the spans still batched

@@ -3,6 +3,7 @@ model, behind GuardMiddleware (API key, body size, request ids, bugs as 500s).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,9 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenmill import __version__
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import check_token_ids
-from tokenmill.entrypoints.openai import serving_responses
+from tokenmill.entrypoints.openai import dashboard, serving_batch, serving_responses
+from tokenmill.entrypoints.openai.batch_config import BatchConfig
+from tokenmill.entrypoints.openai.batch_runner import BatchRunner
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
-from tokenmill.entrypoints.openai.middleware import GuardMiddleware
+from tokenmill.entrypoints.openai.middleware import GuardMiddleware, api_keys
 from tokenmill.entrypoints.openai.openapi import SSE, errors, install_openapi
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -40,14 +43,19 @@ _HEALTH: dict[int | str, dict[str, Any]] = {200: {"description": "the engine is 
                                             **errors(503)}
 
 
-def build_app(ctx: ServerContext, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(ctx: ServerContext, api_key: str | list[str] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, batches: BatchRunner | None = None,
+              batch_config: BatchConfig | None = None, stopping: Callable[[], bool] = lambda: False) -> FastAPI:
+    """The app; with `batches` (a runner whose store is under `batch_config`'s directory) also the
+    Files and Batch API, whose lines the runner sends through this app. `stopping` ends the dashboard's
+    event streams (the server is draining)."""
     app = FastAPI(title="tokenmill", version=__version__)
     install_error_handlers(app)
     engine = ctx.engine
-    install_openapi(app, api_key is not None, ctx.model_name, engine.config.model.arch.vocab_size,
+    install_openapi(app, bool(api_keys(api_key)), ctx.model_name, engine.config.model.arch.vocab_size,
                     engine.config.model.max_model_len)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes,
+                       path_body_bytes=serving_batch.upload_limits(batch_config, max_request_bytes))
     completions = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     card = ModelCard(id=ctx.model_name, root=ctx.model_root, max_model_len=engine.config.model.max_model_len)
@@ -123,4 +131,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None,
                         "takes --pooler-config)", "model").response()
 
     serving_responses.register(app, ctx)
+    dashboard.register(app, engine.metrics.live, lambda: stopping() or engine.dead_error is not None)
+    if batches is not None:
+        serving_batch.install(app, batches, batch_config, api_key)
     return app

@@ -20,6 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill import __version__
 from tokenmill.config import EngineConfig
 from tokenmill.engine.pooling_engine import EmbeddingBatcher, EmbeddingEngine
+from tokenmill.entrypoints.openai import serving_batch
+from tokenmill.entrypoints.openai.batch_config import BatchConfig, config_from_args
+from tokenmill.entrypoints.openai.batch_runner import BatchRunner
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
 from tokenmill.entrypoints.openai.openapi import errors
@@ -36,11 +39,15 @@ def generate_refused(model: str) -> APIError:
                     "(--runner generate)")
 
 
-def build_embedding_app(serving: OpenAIServingEmbedding, model_root: str, api_key: str | None = None,
-                        max_request_bytes: int = 16 * 2**20) -> FastAPI:
+def build_embedding_app(serving: OpenAIServingEmbedding, model_root: str, api_key: str | list[str] | None = None,
+                        max_request_bytes: int = 16 * 2**20, batches: BatchRunner | None = None,
+                        batch_config: BatchConfig | None = None) -> FastAPI:
     app = FastAPI(title="tokenmill (embeddings)", version=__version__)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes,
+                       path_body_bytes=serving_batch.upload_limits(batch_config, max_request_bytes))
+    if batches is not None:
+        serving_batch.install(app, batches, batch_config, api_key)
     card = ModelCard(id=serving.model_name, root=model_root, max_model_len=serving.engine.max_model_len)
 
     async def health() -> Response:
@@ -103,8 +110,10 @@ async def run_embedding_server(args: argparse.Namespace, config: EngineConfig, l
         batcher = EmbeddingBatcher(engine, args.embed_batch_wait_ms / 1000)
         name, aliases = model_names(config.model.served_model_name, config.model.model)
         serving = OpenAIServingEmbedding(engine, batcher, name, aliases, int(args.max_prompts_per_request))
+        batch_config = config_from_args(args)
+        runner = serving_batch.open_runner(batch_config)
         app = build_embedding_app(serving, args.model_root or config.model.model, args.api_key,
-                                  args.max_request_bytes)
+                                  args.max_request_bytes, runner, batch_config)
         uv = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log, lifespan="off",
                             timeout_graceful_shutdown=int(args.shutdown_timeout), timeout_keep_alive=30)
         port = sock.getsockname()[1]
@@ -112,7 +121,9 @@ async def run_embedding_server(args: argparse.Namespace, config: EngineConfig, l
         pooling = f"{pooler.pooling_type} pooling{', normalized' if pooler.normalize else ''}" if pooler else ""
         line = f"tokenmill serving {name} on http://{args.host}:{port} (pid {os.getpid()}, embeddings: {pooling})"
         server = _ReadyServer(uv, line, launched)
+        await runner.start()
         await server.serve(sockets=[sock])
+        await runner.stop()
         await batcher.shutdown()
         if not server.started:
             print(f"tokenmill: error: could not serve on {args.host}:{port} (see above)", file=sys.stderr)

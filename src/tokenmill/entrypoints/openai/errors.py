@@ -12,12 +12,17 @@ Every error carries one stable `code` (OpenAI's own where OpenAI has one):
 | 400    | unsupported_parameter   | an OpenAI feature tokenmill does not implement (tools, audio...)        |
 | 400    | context_length_exceeded | the prompt, or prompt plus max_tokens, does not fit max_model_len       |
 | 400    | too_many_sequences      | prompts x n over --max-prompts-per-request                              |
+| 400    | invalid_file            | an upload that is not JSONL (not UTF-8, or no line is a JSON object)    |
+| 400    | file_too_large          | an upload over --max-batch-file-bytes                                   |
 | 401    | invalid_api_key         | the API key is missing or wrong                                         |
 | 404    | model_not_found         | the model named is not the one served                                   |
 | 404    | response_not_found      | no stored response has that id (/v1/responses)                          |
+| 404    | file_not_found          | no file with that id belongs to the caller's API key (/v1/files)        |
+| 404    | batch_not_found         | no batch with that id belongs to the caller's API key (/v1/batches)     |
 | 404    | not_found               | no such route                                                           |
 | 405    | method_not_allowed      | the route exists, not with this method (the Allow header lists those)   |
 | 408    | timeout                 | the request ran past --request-timeout and was aborted                  |
+| 409    | batch_not_cancellable   | cancel of a batch that has ended (completed, failed, expired)           |
 | 413    | payload_too_large       | the body is over --max-request-bytes                                    |
 | 429    | rate_limit_exceeded     | the server's queue (--max-queue-len) is full; retry later               |
 | 499    | client_closed           | the client hung up (logged; nobody receives it)                         |
@@ -48,7 +53,8 @@ logger = logging.getLogger(__name__)
 ERROR_CODES: dict[str, int] = {
     "invalid_request": 400, "invalid_value": 400, "unknown_parameter": 400, "unsupported_parameter": 400,
     "context_length_exceeded": 400, "too_many_sequences": 400, "invalid_api_key": 401, "model_not_found": 404,
-    "response_not_found": 404, "not_found": 404, "method_not_allowed": 405, "timeout": 408,
+    "response_not_found": 404, "file_not_found": 404, "batch_not_found": 404, "invalid_file": 400,
+    "file_too_large": 400, "batch_not_cancellable": 409, "not_found": 404, "method_not_allowed": 405, "timeout": 408,
     "payload_too_large": 413, "rate_limit_exceeded": 429, "client_closed": 499, "internal_error": 500,
     "request_failed": 500, "engine_dead": 503, "shutting_down": 503,
     "worker_failed": 502, "no_workers": 503,

@@ -14,7 +14,8 @@ from tokenmill.entrypoints.openai.middleware import OPEN_PATHS
 from tokenmill.entrypoints.openai.protocol import ErrorResponse
 from tokenmill.entrypoints.openai.request_types import TOKEN_COUNT_MARK, TOKEN_ID_MARK
 
-_DESCRIPTIONS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+_DESCRIPTIONS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model, file or batch",
+                 409: "the batch cannot be cancelled in its status",
                  408: "request timeout", 413: "request body too large", 429: "the server's queue is full",
                  503: "the engine is not available"}
 # the other way a generating route answers 200 (with "stream": true): server-sent events, each a chunk

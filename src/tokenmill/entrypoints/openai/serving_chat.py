@@ -73,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         prediction = self._prediction(req)
         if prediction:
             params = params.clone(prediction_token_ids=prediction)
-        streams = self.submit([prompt], [params], ids.engine_id, req.priority)
+        streams = self.submit([prompt], [params], ids.engine_id, req.priority, raw)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
             return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams, plan,

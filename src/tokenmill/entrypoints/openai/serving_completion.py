@@ -52,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(req, 1 if echo_only else self.max_tokens(len(p.prompt_token_ids),
                                                                                  req.max_tokens),
                                        req.logprobs, prompt_logprobs, bool(req.stream)) for p in prompts]
-        streams = self.submit(prompts, params, ids.engine_id, req.priority)
+        streams = self.submit(prompts, params, ids.engine_id, req.priority, raw)
         view = _ChoiceBuilder(self, req, prompts, echo_only)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:

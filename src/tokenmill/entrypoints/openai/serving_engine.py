@@ -17,9 +17,11 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from tokenmill.core.request import PriorityClass
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
+from tokenmill.entrypoints.openai.middleware import BATCH_SCOPE_KEY
 from tokenmill.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from tokenmill.entrypoints.openai.request_types import IGNORED_FIELDS, REQUEST_ID_PATTERN
 from tokenmill.entrypoints.openai.serving_tools import structured_outputs_of
@@ -181,14 +183,18 @@ class OpenAIServing:
         return words
 
     def submit(self, prompts: list[ProcessedPrompt], params: list[SamplingParams], request_id: str,
-               priority: int = 0) -> list[RequestStream]:
-        """All prompts or none: a failure aborts those already submitted."""
+               priority: int = 0, raw: Request | None = None) -> list[RequestStream]:
+        """All prompts or none: a failure aborts those already submitted. A request the batch runner
+        sends (`raw`'s scope names its batch) runs in the batch priority class."""
+        batch = raw.scope.get(BATCH_SCOPE_KEY) if raw is not None else None
+        priority_class = PriorityClass.BATCH if batch else PriorityClass.INTERACTIVE
         streams: list[RequestStream] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.add_request(
-                    {"prompt": prompt.prompt, "prompt_token_ids": prompt.prompt_token_ids}, p, rid, priority))
+                    {"prompt": prompt.prompt, "prompt_token_ids": prompt.prompt_token_ids}, p, rid, priority,
+                    priority_class, batch or ""))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -207,7 +213,9 @@ class OpenAIServing:
         task = asyncio.ensure_future(work)
         watcher = asyncio.ensure_future(_wait_disconnect(raw))
         try:
-            done, _ = await asyncio.wait({task, watcher}, timeout=self.ctx.request_timeout,
+            # a batch line waits on interactive traffic; its batch's completion_window bounds it instead
+            timeout = None if BATCH_SCOPE_KEY in raw.scope else self.ctx.request_timeout
+            done, _ = await asyncio.wait({task, watcher}, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()

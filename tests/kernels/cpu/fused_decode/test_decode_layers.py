@@ -2,7 +2,7 @@
 step in one C++ call) against the Python
 layer loop it replaces: it calls the same kernels on the same tensors, so tokens and logprobs must
 be bitwise equal, for every architecture it takes (Llama, Qwen2's qkv bias, Mistral's window, Phi-3's
-longrope tables)."""
+longrope tables, Mixtral's routed experts)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tokenmill.layers.linear import gemv_layout_ok
 from tokenmill.worker.fused_decode import FusedDecode
 
 OPS = load_cpu_kernels()
+FUSED = ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window", "phi3-longrope", "mixtral-8x-top2"]
 pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_packed_gemv() or not gemv_layout_ok(OPS),
                                 reason="needs the C++ kernels with the AVX512-BF16 GEMV on oneDNN's AB16b64a2b")
 
@@ -27,7 +28,11 @@ def _use_fused(llm: LLM, ops: Any, fused: bool) -> None:
     runner.fused_decode = FusedDecode.create(runner.model, ops, runner.backend) if fused else None
     if fused and not runner.fused_decode.quant:  # every projection's GEMV is called by address, not through the op
         ptrs = runner.fused_decode.gemv_ptrs
-        assert ptrs.numel() == 4 * len(runner.model.layers) and bool((ptrs != 0).all())
+        moe = runner.model.cfg.moe
+        sparse = 0 if moe is None else moe.num_sparse_layers  # qkv, o and each expert's gate_up and down
+        per_sparse = 0 if moe is None else 2 + 2 * moe.num_experts
+        assert ptrs.numel() == 4 * (len(runner.model.layers) - sparse) + per_sparse * sparse
+        assert bool((ptrs != 0).all())
 
 
 class CountingOps:
@@ -50,8 +55,7 @@ def _run(model_dir: str, fused: bool, num_prompts: int, params: Any = None, coun
     return llm.generate(prompts, params, use_tqdm=False), counter.calls
 
 
-@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window",
-                                  "phi3-longrope"])
+@pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("num_prompts", [1, 4, 9])  # 9: past the GEMV, oneDNN's packed linear
 def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name: str, num_prompts: int) -> None:
     fast, fast_calls = _run(model_dirs[name], True, num_prompts)
@@ -102,8 +106,7 @@ def test_decode_greedy_with_quantized_projections(model_dirs: dict[str, str], qu
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in ref]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window",
-                                  "phi3-longrope"])
+@pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("num_prompts", [1, 9])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_decode_greedy_matches_the_python_path(model_dirs: dict[str, str], name: str, num_prompts: int,

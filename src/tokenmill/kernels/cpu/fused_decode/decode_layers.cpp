@@ -1,14 +1,17 @@
-// The decoder layers of a Llama-family model for a pure-decode step, in one call.
+// The decoder layers of a Llama-family model (dense, or Mixtral's routed experts) for a pure-decode step,
+// in one call.
 //
 // At batch 1 a step's weights stream at memory speed in the GEMV, but the Python layer loop spends a
 // large share of the step between its many small kernel calls (module calls, views, dispatch; figures
 // in bench/README.md, 'Measurements behind the code'). This op runs the same loop in C++ and calls the
 // very same kernels (rms_norm, packed_gemv or oneDNN's packed linear as PackedLinear picks them,
-// rotary_, write_kv_, paged_decode, silu_and_mul), in the same order on the same data, so its output is
-// bitwise the output of the Python loop; the Python loop stays the reference it is tested against. The
+// rotary_, write_kv_, paged_decode, silu_and_mul; the router's ATen ops), in the same order on the same
+// data, so its output is bitwise the output of the Python loop; the Python loop stays the reference it
+// is tested against. The
 // GEMV and the attention block's kernels are called by their raw entry points (kernels.h), the rest
-// through the dispatcher. Quantized projections (int8, int4, W8A8) call the ops QuantizedLinearMethod.apply
-// calls, with the same tensors (linear_kinds and quant say which and with what); a quantized KV cache (int8,
+// through the dispatcher. Quantized projections (int8, int4, W8A8: attention's and a dense MLP's; routed experts
+// are bf16 only) call the ops QuantizedLinearMethod.apply calls, with the same tensors (linear_kinds and quant say
+// which and with what, four projection slots per layer, a sparse layer's MLP slots float); a quantized KV cache (int8,
 // fp8 e4m3: kv_scales holds each layer's K and V scales) is written and read by the ops CpuBackend calls for it.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -39,6 +42,7 @@ using Int4Linear = at::Tensor(T, T, T, T, int64_t, int64_t, const OptTensor&);
 using W8A8Linear = at::Tensor(T, T, T, T, int64_t, const OptTensor&);
 using WriteKvQuant = void(T, T, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, T);
 using AttentionQuant = at::Tensor(T, T, T, T, T, T, T, double, int64_t);
+using ArgmaxRowsMasked = at::Tensor(T, T);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
@@ -51,15 +55,18 @@ struct Ops {
   c10::TypedOperatorHandle<WriteKvQuant> write_kv_quant = find_op<WriteKvQuant>("tokenmill_cpu::write_kv_quant_");
   c10::TypedOperatorHandle<AttentionQuant> attention_quant =
       find_op<AttentionQuant>("tokenmill_cpu::paged_attention_quant");
+  c10::TypedOperatorHandle<ArgmaxRowsMasked> argmax_rows_masked =
+      find_op<ArgmaxRowsMasked>("tokenmill_cpu::argmax_rows_masked");
 };
 
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
 // packed_gemv_max_rows(K) rows, else oneDNN on the same packed weight.
 // w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
-// checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op
+// checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op; -1: oneDNN
+// always (oneDNN packed this weight in a layout the GEMV does not read)
 at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                   int64_t w_ptr) {
-  if (gemv && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
+  if (gemv && w_ptr >= 0 && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
     if (w_ptr == 0) return op.gemv.call(x, w, bias);
     TORCH_CHECK(w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1), "decode_layers: weight and x disagree on K");
     return tokenmill::packed_gemv_at(reinterpret_cast<const uint16_t*>(w_ptr), x, w.size(0), bias);
@@ -98,19 +105,116 @@ at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, cons
   }
 }
 
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }  // round to nearest even, as at::to
+
 constexpr int64_t PER_LAYER = 7;  // input norm, qkv, qkv bias (empty: none), o, post norm, gate_up, down
+                                  // (gate_up and down empty: a sparse layer, its MLP the routed experts)
+
+// How every sparse layer routes (layers.moe.route with softmax scores and the greedy top-k)
+struct Routing {
+  int64_t num_experts;  // 0: no sparse layer
+  int64_t top_k;
+  bool norm_topk_prob;
+  double routed_scaling_factor;
+};
+
+// A sparse layer's routed experts, as layers.moe.SparseMoeBlock's fused path computes them with the same
+// ops in the same order: router logits in float32, softmax, top-k, optional renormalisation and scaling;
+// the (row, expert) pairs sorted by expert; each chosen expert runs once over its rows (experts nobody
+// chose are not read) and its weighted output is added into its rows, experts in ascending order.
+// ew: router [E, hidden] float32, E gate_up and E down weights; ep: their 2E GEMV addresses (or null)
+at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tensor& scores, const at::Tensor* ew,
+                              const int64_t* ep, const Routing& r, bool gemv);
+
+at::Tensor routed_experts(const Ops& op, const at::Tensor& x, const at::Tensor* ew, const int64_t* ep,
+                          const Routing& r, bool gemv) {
+  const int64_t e_count = r.num_experts, k = r.top_k;
+  const at::Tensor scores = at::linear(x.to(at::kFloat), ew[0]).softmax(-1);
+  if (x.size(0) == 1 && k <= 2 && x.scalar_type() == at::kBFloat16) {
+    return routed_experts_row(op, x, scores, ew, ep, r, gemv);
+  }
+  auto [weights, ids] = at::topk(scores, k, -1);
+  if (r.norm_topk_prob) weights = weights / (weights.sum(-1, true) + 1e-20);
+  weights = weights * r.routed_scaling_factor;
+  const at::Tensor flat = ids.reshape(-1);
+  const at::Tensor order = at::argsort(flat, /*stable=*/true, 0, false);
+  const at::Tensor rows = at::floor_divide(order, k);
+  const at::Tensor pair_weights = weights.reshape(-1).index_select(0, order).to(x.scalar_type());
+  const at::Tensor counts = at::bincount(flat, {}, e_count);
+  const int64_t* n = counts.data_ptr<int64_t>();
+  at::Tensor out = at::zeros_like(x);
+  for (int64_t e = 0, start = 0; e < e_count; ++e) {
+    if (n[e] == 0) continue;
+    const at::Tensor idx = rows.slice(0, start, start + n[e]);
+    const at::Tensor gate_up = linear(op, x.index_select(0, idx), ew[1 + e], OptTensor(), gemv, ep ? ep[e] : 0);
+    const at::Tensor y = linear(op, op.silu_and_mul.call(gate_up), ew[1 + e_count + e], OptTensor(), gemv,
+                                ep ? ep[e_count + e] : 0);
+    out.index_add_(0, idx, y * pair_weights.slice(0, start, start + n[e]).unsqueeze(1));
+    start += n[e];
+  }
+  return out;
+}
 
 // the qkv bias slot holds an empty tensor where the model has none
 OptTensor bias_or_none(const at::Tensor& t) { return t.numel() ? OptTensor(t) : OptTensor(); }
 
 // h: the embedded input rows [T, hidden] (bf16); it becomes the residual stream, updated in place as in
 // the Python loop. Returns the final norm of the last residual.
+// One bfloat16 row with k <= 2: routed_experts' arithmetic with plain loops where it calls an ATen op on
+// k or E numbers (top-k, renormalisation, scaling, the bf16 pair weight, the weighted sum into zeros), each
+// rounding as that op rounds (a sum of two floats has one rounding in any order), so only the router,
+// its softmax and the k experts' kernels are calls.
+at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tensor& scores, const at::Tensor* ew,
+                              const int64_t* ep, const Routing& r, bool gemv) {
+  const int64_t e_count = r.num_experts, k = r.top_k, hidden = x.size(1);
+  TORCH_CHECK(scores.is_contiguous() && scores.numel() == e_count, "decode_layers: router scores must be [1, E]");
+  const float* s = scores.data_ptr<float>();
+  int64_t ids[2] = {-1, -1};
+  float w[2] = {0.f, 0.f};
+  for (int64_t j = 0; j < k; ++j) {  // the k largest scores, best first (ties: the lower expert id)
+    for (int64_t e = 0; e < e_count; ++e) {
+      if ((j == 0 || e != ids[0]) && (ids[j] < 0 || s[e] > w[j])) ids[j] = e, w[j] = s[e];
+    }
+  }
+  if (r.norm_topk_prob) {
+    const float denom = (k == 2 ? w[0] + w[1] : w[0]) + static_cast<float>(1e-20);
+    for (int64_t j = 0; j < k; ++j) w[j] = w[j] / denom;
+  }
+  const float scaling = static_cast<float>(r.routed_scaling_factor);
+  int64_t order[2] = {0, 1};  // experts in ascending id, as the general path's sort by expert
+  if (k == 2 && ids[1] < ids[0]) order[0] = 1, order[1] = 0;
+  at::Tensor out = at::zeros_like(x);
+  auto* acc = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t e = ids[order[j]];
+    const float pair_weight = bf16_to_float(float_to_bf16(w[order[j]] * scaling));
+    const at::Tensor gate_up = linear(op, x, ew[1 + e], OptTensor(), gemv, ep ? ep[e] : 0);
+    const at::Tensor y = linear(op, op.silu_and_mul.call(gate_up), ew[1 + e_count + e], OptTensor(), gemv,
+                                ep ? ep[e_count + e] : 0);
+    const auto* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float weighted = bf16_to_float(float_to_bf16(bf16_to_float(yp[i]) * pair_weight));
+      acc[i] = float_to_bf16(bf16_to_float(acc[i]) + weighted);
+    }
+  }
+  return out;
+}
+
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::TensorList weights, const at::Tensor& gemv_ptrs,
                          const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
-                         bool gemv, at::TensorList quant, const at::Tensor& linear_kinds, at::TensorList kv_scales) {
+                         bool gemv, at::TensorList quant, const at::Tensor& linear_kinds, at::TensorList kv_scales,
+                         at::TensorList experts, const Routing& routing) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(kv_scales.empty() || static_cast<int64_t>(kv_scales.size()) == layers * 2,
               "decode_layers: kv_scales must be empty (bf16 caches) or K and V scales per layer");
@@ -130,10 +234,18 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER, "decode_layers: ", PER_LAYER,
               " weights per layer expected");
   TORCH_CHECK(h_in.dim() == 2 && h_in.is_contiguous(), "decode_layers: h must be contiguous [T, hidden]");
-  TORCH_CHECK(gemv_ptrs.numel() == 0 || (gemv_ptrs.scalar_type() == at::kLong && gemv_ptrs.is_contiguous() &&
-                                         gemv_ptrs.numel() == layers * 4),
-              "decode_layers: gemv_ptrs must be empty or int64 [layers * 4]");
+  // GEMV addresses: qkv, o, then gate_up and down (a dense layer) or the E gate_ups and E downs (a sparse one)
+  const int64_t per_expert_layer = 1 + 2 * routing.num_experts;
+  int64_t sparse = 0;
+  for (int64_t l = 0; l < layers; ++l) sparse += weights[l * PER_LAYER + 5].numel() == 0;
+  TORCH_CHECK(static_cast<int64_t>(experts.size()) == sparse * per_expert_layer && (sparse == 0 || routing.top_k > 0),
+              "decode_layers: router, gate_ups and downs of num_experts experts expected per sparse layer");
+  TORCH_CHECK(gemv_ptrs.numel() == 0 ||
+                  (gemv_ptrs.scalar_type() == at::kLong && gemv_ptrs.is_contiguous() &&
+                   gemv_ptrs.numel() == (layers - sparse) * 4 + sparse * (2 + 2 * routing.num_experts)),
+              "decode_layers: gemv_ptrs must be empty or int64 [one per projection]");
   const int64_t* wp = gemv_ptrs.numel() ? gemv_ptrs.data_ptr<int64_t>() : nullptr;
+  const at::Tensor* ew = experts.data();  // the next sparse layer's router, gate_ups and downs
   const Ops& op = ops();
   const int64_t t = h_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_row = q_size + 2 * kv_size;
@@ -172,7 +284,9 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     } else {
       x = op.rms_norm.call(h, w[0], eps, OptTensor(residual));
     }
-    const int64_t* lp = wp ? wp + l * 4 : nullptr;  // this layer's qkv, o, gate_up and down addresses
+    const int64_t* lp = wp;  // this layer's GEMV addresses
+    const bool dense = w[5].numel() != 0;
+    if (wp) wp += dense ? 4 : 2 + 2 * routing.num_experts;
     const at::Tensor qkv = project(op, x, w[1], bias_or_none(w[2]), gemv, lp ? lp[0] : 0, proj(l, 0));
     auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
     uint16_t* k = q + q_size;
@@ -203,21 +317,43 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     }
     h = project(op, attn, w[3], OptTensor(), gemv, lp ? lp[1] : 0, proj(l, 1));
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
-    const at::Tensor gate_up = project(op, x, w[5], OptTensor(), gemv, lp ? lp[2] : 0, proj(l, 2));
-    h = project(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv, lp ? lp[3] : 0, proj(l, 3));
+    if (dense) {
+      const at::Tensor gate_up = project(op, x, w[5], OptTensor(), gemv, lp ? lp[2] : 0, proj(l, 2));
+      h = project(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv, lp ? lp[3] : 0, proj(l, 3));
+    } else {
+      h = routed_experts(op, x, ew, lp ? lp + 2 : nullptr, routing, gemv);
+      ew += per_expert_layer;
+    }
   }
   return op.rms_norm.call(h, final_norm, eps, OptTensor(residual));
 }
 
+at::Tensor decode_layers_op(const at::Tensor& h_in, const at::Tensor& positions, const at::Tensor& cos,
+                            const at::Tensor& sin, at::TensorList weights, const at::Tensor& gemv_ptrs,
+                            const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
+                            bool gemv, at::TensorList quant, const at::Tensor& linear_kinds,
+                            at::TensorList kv_scales, at::TensorList experts, int64_t num_experts, int64_t top_k,
+                            bool norm_topk_prob, double routed_scaling_factor) {
+  return decode_layers(h_in, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches, slot_mapping,
+                       block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps, scale, window, gemv, quant,
+                       linear_kinds, kv_scales, experts,
+                       Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
+}
+
 // input_ids [T] (int64) -> each row's greedy token [T] (int64): embedding, decode_layers, lm_head, argmax
+// (over the tokens each row's bitmask allows, where one is given: structured output)
 at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                          const at::Tensor& gemv_ptrs, const at::Tensor& final_norm, at::TensorList kv_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                          int64_t window, bool gemv, at::TensorList quant, const at::Tensor& linear_kinds,
-                         at::TensorList kv_scales, const at::Tensor& lm_head, const OptTensor& lm_head_bias, bool lm_head_gemv,
-                         int64_t lm_head_ptr) {
+                         at::TensorList kv_scales, at::TensorList experts, int64_t num_experts, int64_t top_k,
+                         bool norm_topk_prob, double routed_scaling_factor, const at::Tensor& lm_head,
+                         const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr,
+                         const OptTensor& bitmask) {
   // the embedding's rows, copied as at::embedding copies them, without that op's per-call overhead
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
@@ -233,8 +369,11 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
   }
   const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
-                                     scale, window, gemv, quant, linear_kinds, kv_scales);
-  return ops().argmax_rows.call(linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr));
+                                     scale, window, gemv, quant, linear_kinds, kv_scales, experts,
+                                     Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
+  const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
+  if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
+  return ops().argmax_rows.call(logits);
 }
 
 }  // namespace
@@ -243,21 +382,22 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor gemv_ptrs, "
         "Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, bool gemv, "
-        "Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales) -> Tensor");
+        "Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, "
+        "Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor) -> Tensor");
   m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor gemv_ptrs, Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
-        "bool gemv, Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, Tensor lm_head, Tensor? lm_head_bias, "
-        "bool lm_head_gemv, "
-        "int lm_head_ptr) -> Tensor");
+        "bool gemv, Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, "
+        "Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor, "
+        "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? bitmask=None) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
-  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_layers", &decode_layers_op);
   m.impl("decode_greedy", &decode_greedy);
 }
 TORCH_LIBRARY_IMPL(tokenmill_cpu, MkldnnCPU, m) {
-  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_layers", &decode_layers_op);
   m.impl("decode_greedy", &decode_greedy);
 }
