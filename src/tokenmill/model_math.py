@@ -10,7 +10,9 @@ Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
   per sequence (untied) - the lm_head is read in full, the embedding table only where used.
 - quantization (int8, w8a8, int4 with groups of 128): the decoder layers' projections are stored as
   tokenmill holds them in memory (1 byte or half a byte per weight, fp32 scales per output row or per
-  row and group, int4's fp32 zero points, W8A8's int32 row sums); embeddings, norms and lm_head stay float.
+  row and group, int8's and W8A8's int32 row sums; int4 as `--quantization int4` makes it, symmetric, so
+  without zero points); embeddings, norms and lm_head stay float. W8A8 also keeps a oneDNN-packed int8
+  copy for large batches (a decode step does not read it), which these bytes leave out.
 - Mixture of experts: params count every expert; matmul_params (FLOPs) only the k experts a token
   is routed to; decode_weight_bytes(batch) only the experts a step of `batch` tokens reads, expected
   under uniform routing: E * (1 - (1 - k/E)^batch) per sparse layer (k at batch 1), as the fused MoE
@@ -149,7 +151,15 @@ class ModelCost:
 
     @property
     def weight_bytes(self) -> int:
+        """The bytes the weights hold, W8A8's second, oneDNN-packed copy left out (1 byte per projection
+        weight and oneDNN's padding, which oneDNN's layout decides)."""
         return self.params * self.elem_bytes - self.quantization_saving + self.float32_router_bytes
+
+    def _projection_shapes(self) -> list[tuple[int, int]]:
+        """(rows, columns) of a decoder layer's qkv, o, gate/up and down projections."""
+        a = self.arch
+        q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
+        return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
 
     def decode_weight_bytes(self, batch: int = 1) -> int:
         rows = 0 if self.arch.tie_word_embeddings else batch * self.arch.hidden_size
@@ -175,16 +185,14 @@ class ModelCost:
             return 0
         if self.quantization not in QUANTIZED_FORMATS:
             raise ValueError(f"quantization {self.quantization!r} unknown; choose from {QUANTIZED_FORMATS}")
-        a = self.arch
-        q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
-        shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # (rows, columns): qkv, o, gate/up, down
+        shapes = self._projection_shapes()
         quantized = 0
         for rows, cols in shapes:
             if self.quantization == "int4":
-                quantized += rows * cols // 2 + rows * -(-cols // INT4_GROUP) * 8
+                quantized += rows * cols // 2 + rows * -(-cols // INT4_GROUP) * 4
             else:
-                quantized += rows * cols + rows * (8 if self.quantization == "w8a8" else 4)
-        return a.num_layers * (sum(r * c for r, c in shapes) * self.elem_bytes - quantized)
+                quantized += rows * cols + rows * 8
+        return self.arch.num_layers * (sum(r * c for r, c in shapes) * self.elem_bytes - quantized)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.bench.test_latency_roofline import last_json
 from tokenmill.arch import load_arch_config
@@ -22,7 +23,11 @@ def test_model_cost_counts_the_loaded_bytes(model_dirs: dict[str, str], fmt: str
         config = EngineArgs(d, dtype="float32", quantization=fmt, kv_cache_memory="8MiB").create_engine_config()
         worker = Worker(config)
         cost = ModelCost(load_arch_config(d), "float32", quantization=fmt)
-        assert worker.weight_bytes() == cost.weight_bytes, name
+        # W8A8's oneDNN-packed copy for large batches (its padding is oneDNN's) is not in ModelCost
+        onednn = sum(int(torch.ops.mkldnn._nbytes(m.onednn_qweight)) for m in worker.model.modules()
+                     if hasattr(m, "onednn_qweight"))
+        assert (onednn > 0) == (fmt == "w8a8")
+        assert worker.weight_bytes() - onednn == cost.weight_bytes, name
         assert cost.weight_bytes < ModelCost(load_arch_config(d), "float32").weight_bytes
 
 
@@ -32,7 +37,7 @@ def test_plan_lists_weight_bytes_per_format(model_dirs: dict[str, str], capsys: 
                  "--flops", "1"]) == 0
     by = json.loads(capsys.readouterr().out)["weight_bytes_by_format"]
     assert list(by) == ["bfloat16", "int8", "w8a8", "int4"]
-    assert by["int4"] < by["int8"] < by["w8a8"] < by["bfloat16"]
+    assert by["int4"] < by["int8"] == by["w8a8"] < by["bfloat16"]  # int8 keeps row sums too, as W8A8 does
     assert main(["plan", d, "--dtype", "bfloat16", "--bandwidth", "1", "--flops", "1"]) == 0
     assert "int4 " in capsys.readouterr().out
 

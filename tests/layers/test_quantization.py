@@ -16,7 +16,8 @@ from tests.models import quant_writers as qw
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch import load_arch_config
 from tokenmill.config import EngineArgs
-from tokenmill.layers.quantization import QuantizedLinearMethod
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers.quantization import QuantizedLinearMethod, quantized_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.quantization_config import QuantConfig, resolve_quantization
 
@@ -124,10 +125,20 @@ def test_a_float_tensor_where_int8_is_stored_is_named(model_dirs: dict[str, str]
         _load(out)
 
 
-def test_the_fused_decode_path_declines_quantized_models(model_dirs: dict[str, str]) -> None:
+def test_the_fused_decode_path_takes_quantized_models_with_kernels(model_dirs: dict[str, str]) -> None:
     src = model_dirs["llama-gqa4-untied"]
-    llm = LLM(src, dtype="bfloat16", kv_cache_memory="8MiB", quantization="int8")
-    runner = llm.engine.core.executor.worker.runner()  # type: ignore[attr-defined]
-    assert runner.fused_decode is None
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for kernels in (True, False):
+        llm = LLM(src, dtype="bfloat16", kv_cache_memory="8MiB", quantization="int8", cpu_kernels=kernels)
+        runner = llm.engine.core.executor.worker.runner()  # type: ignore[attr-defined]
+        assert (runner.fused_decode is not None) == (kernels and quantized_kernels(load_cpu_kernels()) is not None)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_fused_decode_path_declines_act_order(model_dirs: dict[str, str], tmp_path: os.PathLike[str]) -> None:
+    # GPTQ act-order permutes x's columns in Python before the kernel: the fused loop does not
+    out = os.path.join(tmp_path, "gptq")
+    qw.write_gptq(model_dirs["llama-gqa4-untied"], out, os.path.join(tmp_path, "ref"), 32, act_order=True)
+    llm = LLM(out, dtype="bfloat16", kv_cache_memory="8MiB")
+    assert llm.engine.core.executor.worker.runner().fused_decode is None  # type: ignore[attr-defined]

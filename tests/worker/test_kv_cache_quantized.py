@@ -138,10 +138,9 @@ def test_fp8_cache_matches_the_reference(model_dirs: dict[str, str]) -> None:
     assert outs["cpu"] == outs["torch_ref"]
 
 
-def test_bf16_model_declines_the_fused_decode_and_runs(llama_dir: str) -> None:
+def test_bf16_model_takes_the_fused_decode_and_runs(llama_dir: str) -> None:
+    # the fused loop writes and reads the quantized cache (tests/kernels/cpu/fused_decode: equal to the layer loop)
     llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory="8MiB", kv_cache_dtype="int8")
     runner = llm.engine.core.executor.runner
-    assert runner.fused_decode is None
+    assert runner.fused_decode is not None and len(runner.fused_decode.kv_scales) == 2 * len(runner.model.layers)
     assert all(len(ids) == n for ids, n in zip(greedy_ids(llm, PROMPTS[:3], MAX_TOKENS[:3]), MAX_TOKENS[:3]))
-    plain = LLM(llama_dir, dtype="bfloat16", kv_cache_memory="8MiB")
-    assert plain.engine.core.executor.runner.fused_decode is not None

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, OutputRows
+from tokenmill.attention.backend import AttentionMetadata, KVScales, OutputRows
 from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 
 
@@ -73,6 +73,7 @@ class DecoderLayerWeights:
     gate_up: LinearBase | None
     down: LinearBase | None
     kv_cache: torch.Tensor  # the layer's bound [2, blocks, block_size, kv_heads, head_dim] cache
+    kv_scales: KVScales | None = None  # a quantized cache's K and V scales (--kv-cache-dtype int8 / fp8_e4m3)
     experts: RoutedExperts | None = None
 
 

@@ -157,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in cast(list[DecoderLayer], list(self.layers)):
             attn = layer.self_attn
             weights = DecoderLayerWeights(layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
-                                          layer.post_attention_layernorm.weight, None, None, attn.attn.kv_cache)
+                                          layer.post_attention_layernorm.weight, None, None, attn.attn.kv_cache,
+                                          attn.attn.kv_scales)
             if not self.describe_mlp(layer.mlp, weights):
                 return None
             layers.append(weights)

@@ -5,11 +5,14 @@ routed experts (Mixtral's block: the kernel routes and runs each chosen expert o
 as layers.moe.SparseMoeBlock's fused path does).
 
 The runner builds it for a model that describes itself as a `DecoderLayout` (models/interface.py),
-on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes;
-the C++ calls run the same kernels in the same order as the Python layer loop with that backend, so
-they give the same tokens. It reads the backend's decode tables through `CpuBackend.decode_tables`.
-It takes bf16 caches only: with a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) it declines and
-the Python layer loop runs, whose attention reads the quantized cache in C++.
+on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes, or
+a quantized one (int8, int4, W8A8; routed experts bf16 only) that its method runs with the C++ kernels
+(`fused_projection`); the
+C++ calls run the same kernels in the same order as the Python layer loop with that backend, so they
+give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS rows (the torch reference
+beyond), so a model with them is fused up to that many rows. It reads the backend's decode tables through
+`CpuBackend.decode_tables`. A quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) is stored and read by
+the ops the C++ backend calls for it (write_kv_quant_, paged_attention_quant), with each layer's scales.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu import CpuBackend
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+from tokenmill.layers.quantization import FusedProjection, fused_projection
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
 
 ONEDNN_ONLY = -1  # the kernel's mark for a packed weight the GEMV does not read (oneDNN runs it)
@@ -54,6 +58,10 @@ def _routing(layout: DecoderLayout) -> tuple[int, int, bool, float] | None:
     return routing.pop() if routing else (0, 0, False, 1.0)
 
 
+def _fusable(layer: LinearBase) -> bool:
+    return (layer.packed and _gemv_ptr(layer) != 0) or fused_projection(layer) is not None
+
+
 class FusedDecode:
     def __init__(self, layout: DecoderLayout, ops: Any, backend: CpuBackend) -> None:
         self.ops = ops
@@ -62,31 +70,56 @@ class FusedDecode:
         weights: list[torch.Tensor] = []
         expert_weights: list[torch.Tensor] = []  # per sparse layer: router, gate_ups, downs
         ptrs: list[int] = []
+        quant: list[torch.Tensor] = []
+        kinds: list[int] = []
+        self.max_rows: int | None = None  # the most rows of a step it takes (None: any)
         for layer in layout.layers:
             bias = layer.qkv.bias if layer.qkv.bias is not None else empty
+            # attention's projections, and a dense layer's MLP, may be quantized; routed experts are bf16
+            # (create declines others). The kernel takes four quant/kind slots per layer: a sparse layer's
+            # MLP slots are float ones.
+            projections: list[LinearBase | None] = [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+            fused = [fused_projection(m) if m is not None else None for m in projections]
+            w = [f.weight if f is not None else m.weight if m is not None else empty
+                 for m, f in zip(projections, fused, strict=True)]
             mlp: list[torch.Tensor]
             if layer.experts is None:
                 assert layer.gate_up is not None and layer.down is not None
-                mlp = [layer.gate_up.weight, layer.down.weight]
+                mlp = [w[2], w[3]]
             else:  # empty slots mark a sparse layer
                 mlp = [empty, empty]
                 expert_weights += [layer.experts.router, *(m.weight for m in layer.experts.gate_up),
                                    *(m.weight for m in layer.experts.down)]
-            weights += [layer.input_norm, layer.qkv.weight, bias, layer.o_proj.weight, layer.post_norm, *mlp]
+            weights += [layer.input_norm, w[0], bias, w[1], layer.post_norm, *mlp]
             ptrs += [_gemv_ptr(m) for m in _projections(layer)]
+            for f in fused:
+                quant += list(f.quant) if f is not None else [empty, empty]
+                kinds += list(f.kind) if f is not None else [0, 0, 0]
+                self._take_rows(f)
         self.gemv_ptrs = torch.tensor(ptrs, dtype=torch.int64)
+        quantized = any(kinds)
+        self.quant = quant if quantized else []
+        self.linear_kinds = torch.tensor(kinds if quantized else [], dtype=torch.int64)
         self.kv_caches = [layer.kv_cache for layer in layout.layers]
+        # a quantized cache's K and V scales per layer (empty: bf16 caches)
+        self.kv_scales = [t for layer in layout.layers if layer.kv_scales is not None
+                          for t in (layer.kv_scales.k, layer.kv_scales.v)]
         # what every call passes, gathered once: module attribute lookups cost more than the Python call
         self._static = (layout.cos, layout.sin, weights, self.gemv_ptrs, layout.final_norm)
         routing = _routing(layout)
         assert routing is not None
         self._dims = (layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.rms_norm_eps, layout.scale,
-                      layout.sliding_window or 0, True, expert_weights, *routing)
+                      layout.sliding_window or 0, True, self.quant, self.linear_kinds, self.kv_scales,
+                      expert_weights, *routing)
         self.embed = layout.embed
         lm_head = layout.lm_head
         self._lm_head: tuple[Any, ...] | None = None
         if lm_head.packed:
             self._lm_head = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, _gemv_ptr(lm_head))
+
+    def _take_rows(self, f: FusedProjection | None) -> None:
+        if f is not None and f.max_rows is not None:
+            self.max_rows = f.max_rows if self.max_rows is None else min(self.max_rows, f.max_rows)
 
     @classmethod
     def create(cls, model: Any, ops: Any, backend: Any) -> FusedDecode | None:
@@ -98,15 +131,25 @@ class FusedDecode:
         layout = model.decoder_layout()
         if layout is None or layout.cos.dtype != torch.bfloat16 or layout.cos.device.type != "cpu":
             return None
-        if any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers) or _routing(layout) is None:
+        quantized_kv = [layer.kv_scales is not None for layer in layout.layers]
+        if any(quantized_kv) and not all(quantized_kv):
+            return None
+        if not any(quantized_kv) and any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers):
+            return None
+        if _routing(layout) is None:
             return None
         for layer in layout.layers:
-            if not all(m.packed and _gemv_ptr(m) for m in _projections(layer)):
+            dense = [layer.qkv, layer.o_proj] + ([] if layer.experts is not None else _projections(layer)[2:])
+            experts = _projections(layer)[2:] if layer.experts is not None else []
+            if not all(_fusable(m) for m in dense) or not all(m.packed and _gemv_ptr(m) for m in experts):
                 return None
         return cls(layout, ops, backend)
 
     def applies(self, meta: AttentionMetadata, num_rows: int) -> bool:
-        """Whether this step is one the fused call takes: pure decode, with the C++ decode tables."""
+        """Whether this step is one the fused call takes: pure decode, with the C++ decode tables, and no
+        more rows than its quantized projections' kernels take."""
+        if self.max_rows is not None and num_rows > self.max_rows:
+            return False
         return meta.num_decodes == num_rows and self.backend.decode_tables(meta) is not None
 
     def _args(self, meta: AttentionMetadata) -> tuple[Any, ...]:

@@ -7,7 +7,9 @@ loading into the layout tokenmill's kernels read (`reference.py`) and drops them
 a weight stays in memory. `apply` runs the C++ kernels (kernels/cpu/linear/quantized.cpp), which
 dequantize in registers, where they are built and the CPU has AVX-512 BW and VNNI; elsewhere, and for
 W8A16/W4A16 batches over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
-then a float matmul). The lm_head stays a float layer (`lm_head_method`), as the formats leave it.
+then a float matmul). W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
+oneDNN-packed copy of the weight (the same integer products; AMX on CPUs that have it). The lm_head
+stays a float layer (`lm_head_method`), as the formats leave it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tokenmill.quantization_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the kernels take; larger batches are compute-bound matmuls
+W8A8_VNNI_MAX_ROWS = 16  # W8A8: rows the VNNI kernel takes; oneDNN's int8 matmul (AMX where there is one) beyond
 REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")
 
 
@@ -53,6 +56,20 @@ def quantized_kernels(ops: Any) -> Any:
                     ", ".join(missing) or "the build's AVX-512 BW/VNNI")
         return None
     return ops
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_int8_available() -> bool:
+    """Whether this torch has oneDNN's int8 linear ops (onednn.qlinear_prepack / qlinear_pointwise) and
+    they run here."""
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 64, dtype=torch.int8), None)
+        y = torch.ops.onednn.qlinear_pointwise(torch.ones(2, 64, dtype=torch.int8), 1.0, 0, packed,
+                                               torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+        return bool((y == 64).all())
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _set(layer: LinearBase, name: str, t: torch.Tensor) -> None:
@@ -104,14 +121,21 @@ class QuantizedLinearMethod:
             if int(w.q.max()) > 15:
                 raise ValueError("int4 weights hold values over 15 (is the checkpoint 4-bit?)")
             _set(layer, "qweight", ref.pack_int4(w.q))
-            _set(layer, "zeros", w.zero.float())
+            symmetric = bool((w.zero == 8).all())  # then the kernels read no zero points
+            _set(layer, "zeros", w.zero.new_empty(0).float() if symmetric else w.zero.float())
             group = formats.group_of(self.cfg, layer.input_size)
         elif self.cfg.scheme == "w8a8":
             padded, wsum = ref.w8a8_layout(w.q)
             _set(layer, "qweight", padded)
             _set(layer, "weight_sum", wsum)
+            if self.kernels is not None and onednn_int8_available():
+                # a second int8 copy, in oneDNN's packed layout, for the compute-bound batches
+                layer.onednn_qweight = nn.Parameter(torch.ops.onednn.qlinear_prepack(w.q.contiguous(), None),
+                                                    requires_grad=False)
+                layer.__dict__["onednn_zero"] = torch.zeros(w.q.shape[0], dtype=torch.int64)
         else:
             _set(layer, "qweight", w.q)
+            _set(layer, "weight_sum", ref.weight_sum(w.q))
         _set(layer, "scales", w.scale.float())
         perm = w.perm.to(w.scale.device) if w.perm is not None else None
         layer.__dict__["quant_layout"] = QuantLayout(self.cfg.scheme, group, perm)
@@ -131,20 +155,59 @@ class QuantizedLinearMethod:
         kernels = self.kernels if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32) else None
         q, scales, k, bias = _t(layer, "qweight"), _t(layer, "scales"), layer.input_size, layer.bias
         if layout.scheme == "w8a8":
-            y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
-                 else ref.w8a8_ref(rows, q, scales, k, bias))
+            if kernels is not None and rows.shape[0] > W8A8_VNNI_MAX_ROWS and hasattr(layer, "onednn_qweight"):
+                # the same integer products by oneDNN, each row's scale after
+                xq, xs = kernels.quantize_rows_int8(rows.contiguous())
+                dots = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, layer.onednn_qweight, scales,
+                                                          layer.__dict__["onednn_zero"], None, 1.0, 0, torch.float32,
+                                                          "none", [], "")
+                y = kernels.scale_rows(dots, xs, bias, rows.dtype)
+            else:
+                y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
+                     else ref.w8a8_ref(rows, q, scales, k, bias))
         elif kernels is None or rows.shape[0] > KERNEL_MAX_ROWS:
             y = ref.linear_ref(rows if layout.input_perm is None else rows[:, layout.input_perm],
                                self.dequantized_weight(layer) if layout.input_perm is None
                                else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size), bias)
         elif layout.scheme == "int8":
-            y = kernels.int8_linear(rows, q, scales, bias)
+            y = kernels.int8_linear(rows, q, scales, _t(layer, "weight_sum"), bias)
         else:
             if layout.input_perm is not None:
                 rows = rows[:, layout.input_perm]
             y = kernels.int4_linear(rows, q, scales, _t(layer, "zeros"), k, layout.group_size, bias)
         out: torch.Tensor = y.view(*x.shape[:-1], layer.output_size)
         return out
+
+
+# the fused decode loop's projection kinds (kernels/cpu/fused_decode/decode_layers.cpp, enum Kind)
+FUSED_KINDS = {"int8": 1, "int4": 2, "w8a8": 3}
+
+
+@dataclass(frozen=True)
+class FusedProjection:
+    """What the fused decode loop calls for one quantized layer: the op `apply` calls, on these tensors."""
+
+    weight: torch.Tensor
+    quant: tuple[torch.Tensor, torch.Tensor]  # scales, and the row sums (int8, W8A8) or zero points (int4)
+    kind: tuple[int, int, int]  # FUSED_KINDS[scheme], in_features, group
+    max_rows: int | None  # the most rows `apply` gives to that op (beyond them, the torch reference)
+
+
+def fused_projection(layer: LinearBase) -> FusedProjection | None:
+    """The layer as the fused decode loop runs it, or None where `apply` does not run a C++ kernel for
+    it (no kernels, GPTQ act-order's column order)."""
+    method = layer.method
+    if not isinstance(method, QuantizedLinearMethod) or method.kernels is None:
+        return None
+    layout = layout_of(layer)
+    if layout.input_perm is not None:
+        return None
+    aux = _t(layer, "zeros") if layout.scheme == "int4" else _t(layer, "weight_sum")
+    max_rows: int | None = KERNEL_MAX_ROWS
+    if layout.scheme == "w8a8":
+        max_rows = W8A8_VNNI_MAX_ROWS if hasattr(layer, "onednn_qweight") else None
+    return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux),
+                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size), max_rows)
 
 
 def reference_method(cfg: QuantConfig) -> QuantizedLinearMethod:

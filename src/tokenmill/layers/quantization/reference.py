@@ -2,10 +2,11 @@
 one, and the torch reference of each kernel (dequantize, then a float matmul; for W8A8 the same integer
 products the kernel makes).
 
-- int8 (W8A16): `q` int8 [N, K], `scale` fp32 [N]; w = q * scale.
+- int8 (W8A16): `q` int8 [N, K], `scale` fp32 [N], `wsum` int32 [N] (row sums of q); w = q * scale.
 - int4 (W4A16): `packed` uint8 [N, Kp/2], Kp = K padded to 32: in each run of 32 k, byte j holds k = j
-  (low nibble) and k = j + 16 (high nibble), unsigned 0..15; `scale`, `zero` fp32 [N, ceil(K / group)];
-  w = (q - zero) * scale. The padding nibbles are zero and x is zero there.
+  (low nibble) and k = j + 16 (high nibble), unsigned 0..15; `scale`, `zero` fp32 [N, ceil(K / group)]
+  (`zero` empty where every zero point is 8, the symmetric case); w = (q - zero) * scale. The padding
+  nibbles are zero and x is zero there.
 - W8A8: `q` int8 [N, Kp], Kp = K padded to 64 with zeros, `scale` fp32 [N], `wsum` int32 [N] (row sums
   of q); x is quantized per row to int8 with scale amax / 127.
 """
@@ -66,10 +67,15 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return torch.stack([runs & 0xF, runs >> 4], dim=2).reshape(n, -1)[:, :in_features]
 
 
+def weight_sum(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> its row sums, int32 [N] (what the kernels' u8 x s8 products take off again)."""
+    return q.to(torch.int32).sum(dim=1).to(torch.int32)
+
+
 def w8a8_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] -> (the W8A8 kernel's zero-padded [N, Kp], row sums int32 [N])."""
     k = q.shape[1]
-    return F.pad(q, (0, round_up(k, 64) - k)).contiguous(), q.to(torch.int32).sum(dim=1).to(torch.int32)
+    return F.pad(q, (0, round_up(k, 64) - k)).contiguous(), weight_sum(q)
 
 
 # ---- the references -----------------------------------------------------------------------------------
@@ -80,9 +86,10 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int,
                     group: int) -> torch.Tensor:
+    """zero empty: 8 throughout (symmetric)."""
     q = unpack_int4(packed, in_features).float()
     expand = torch.arange(in_features, device=q.device) // group
-    return (q - zero[:, expand]) * scale[:, expand]
+    return (q - (zero[:, expand] if zero.numel() else 8.0)) * scale[:, expand]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ def _use_fused(llm: LLM, ops: Any, fused: bool) -> None:
     """The runner's fused decode path through `ops`, or none: the Python layer loop, the reference."""
     runner = llm.engine.core.executor.runner
     runner.fused_decode = FusedDecode.create(runner.model, ops, runner.backend) if fused else None
-    if fused:  # every projection's GEMV is called by address, not through the op
+    if fused and not runner.fused_decode.quant:  # every projection's GEMV is called by address, not through the op
         ptrs = runner.fused_decode.gemv_ptrs
         moe = runner.model.cfg.moe
         sparse = 0 if moe is None else moe.num_sparse_layers  # qkv, o and each expert's gate_up and down
@@ -64,6 +64,46 @@ def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name:
     for a, b in zip(fast, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bitwise: the same kernels in the same order
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("name,num_prompts", [("llama-gqa4-untied", 1), ("qwen2-mha", 4), ("llama-gqa2-tied", 18)])
+def test_decode_layers_with_quantized_projections(model_dirs: dict[str, str], name: str, num_prompts: int,
+                                                  quantization: str) -> None:
+    # the same quantized weights through the fused loop and through the Python layer loop; 18 prompts: steps
+    # of over 16 rows run other kernels in the layers (int8/int4: the torch reference; W8A8: oneDNN's int8
+    # matmul), so the fused path declines them
+    fast, fast_calls = _run(model_dirs[name], True, num_prompts, quantization=quantization)
+    ref, ref_calls = _run(model_dirs[name], False, num_prompts, quantization=quantization)
+    assert ref_calls == 0
+    assert fast_calls >= 25 if num_prompts <= 16 else fast_calls <= 14
+    for a, b in zip(fast, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bitwise: the same kernels in the same order
+
+
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("int8", None), ("fp8_e4m3", None), ("int8", "int4")])
+@pytest.mark.parametrize("name,num_prompts", [("llama-gqa4-untied", 1), ("qwen2-mha", 4), ("mistral-window", 9)])
+def test_decode_layers_with_a_quantized_kv_cache(model_dirs: dict[str, str], name: str, num_prompts: int,
+                                                 kv_cache_dtype: str, quantization: str | None) -> None:
+    # the fused loop stores and reads the int8 / fp8 cache with the ops the C++ backend calls: bitwise equal
+    args = dict(kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+    fast, fast_calls = _run(model_dirs[name], True, num_prompts, **args)
+    ref, ref_calls = _run(model_dirs[name], False, num_prompts, **args)
+    assert fast_calls >= 25 and ref_calls == 0
+    for a, b in zip(fast, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_decode_greedy_with_quantized_projections(model_dirs: dict[str, str], quantization: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    model = model_dirs["llama-gqa4-untied"]
+    fast, fast_calls = _run(model, True, 3, params, "decode_greedy", quantization=quantization)
+    ref, _ = _run(model, False, 3, params, "decode_greedy", quantization=quantization)
+    assert fast_calls >= 20
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in ref]
 
 
 @pytest.mark.parametrize("name", FUSED)

@@ -13,13 +13,16 @@ import pytest
 import torch
 
 from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers.quantization import onednn_int8_available
 from tokenmill.layers.quantization import reference as ref
 
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_quantized_linear(),
                                 reason="quantized kernels unavailable (no AVX-512 BW/VNNI)")
-# (rows of x, outputs, K): K on and off the group and the 16/32/64 runs, 1 to 7 outputs, row tiles and tails
-SHAPES = [(1, 1, 32), (3, 7, 70), (7, 5, 200), (13, 33, 130), (4, 96, 256)]
+# (rows of x, outputs, K): K on and off the group and the 16/32/64 runs, 1 to 7 outputs, row tiles and tails;
+# bf16 x of up to 16 rows takes the limb kernels (int4: K and group multiples of 128), 17 rows the float ones
+SHAPES = [(1, 1, 32), (3, 7, 70), (7, 5, 200), (13, 33, 130), (4, 96, 256), (1, 9, 384), (6, 11, 512),
+          (17, 6, 256)]
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, magnitude: torch.Tensor) -> None:
@@ -35,7 +38,7 @@ def test_int8(m: int, n: int, k: int, dtype: torch.dtype) -> None:
     q, scale = ref.rtn_int8(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    got = OPS.int8_linear(x, q, scale, bias)
+    got = OPS.int8_linear(x, q, scale, ref.weight_sum(q), bias)
     assert got.dtype == dtype and got.shape == (m, n)
     w = ref.dequantize_int8(q, scale)
     _close(got, ref.linear_ref(x, w, bias), dtype, x.float().abs() @ w.abs().T + bias.float().abs())
@@ -50,6 +53,9 @@ def test_int4(m: int, n: int, k: int, group: int | None, zero_point: bool) -> No
     q, scale, zero = ref.rtn_int4(torch.randn(n, k, generator=gen) + (0.3 if zero_point else 0), g, zero_point)
     packed = ref.pack_int4(q)
     assert torch.equal(ref.unpack_int4(packed, k), q)
+    if not zero_point:  # symmetric: the layers keep no zero points (all 8)
+        assert bool((zero == 8).all())
+        zero = zero.new_empty(0)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(m, k, generator=gen).to(dtype)
         got = OPS.int4_linear(x, packed, scale, zero, k, g, None)
@@ -78,7 +84,8 @@ def test_every_row_count(m: int) -> None:
     gen = torch.Generator().manual_seed(m)
     w, x = torch.randn(6, 100, generator=gen), torch.randn(m, 100, generator=gen)
     q, scale = ref.rtn_int8(w)
-    _close(OPS.int8_linear(x, q, scale, None), ref.linear_ref(x, ref.dequantize_int8(q, scale), None), torch.float32,
+    w8 = ref.dequantize_int8(q, scale)
+    _close(OPS.int8_linear(x, q, scale, ref.weight_sum(q), None), ref.linear_ref(x, w8, None), torch.float32,
            x.abs() @ w.abs().T)
     q4, s4, z4 = ref.rtn_int4(w, 32, True)
     w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 100, 32)
@@ -87,6 +94,30 @@ def test_every_row_count(m: int) -> None:
     padded, wsum = ref.w8a8_layout(q)
     expected = ref.w8a8_ref(x, padded, scale, 100, None)
     torch.testing.assert_close(OPS.w8a8_linear(x, padded, scale, wsum, 100, None), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_by_onednn_int8(dtype: torch.dtype) -> None:
+    # the batches over W8A8_VNNI_MAX_ROWS: quantize_rows_int8, oneDNN's int8 product, scale_rows; the integer
+    # products are exact, the scaling is fp32 in another order (dots * w_scale, then * x_scale)
+    if not onednn_int8_available():
+        pytest.skip("oneDNN's int8 linear is not available in this torch")
+    gen = torch.Generator().manual_seed(3)
+    q, scale = ref.rtn_int8(torch.randn(40, 200, generator=gen))
+    x = torch.randn(33, 200, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    xq, xs = OPS.quantize_rows_int8(x)
+    expected_q, expected_s = ref.quantize_rows(x)
+    assert torch.equal(xq.float(), expected_q) and torch.equal(xs, expected_s)
+    dots = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, torch.ops.onednn.qlinear_prepack(q, None), scale,
+                                              torch.zeros(40, dtype=torch.int64), None, 1.0, 0, torch.float32,
+                                              "none", [], "")
+    got = OPS.scale_rows(dots, xs, bias, dtype)
+    padded, _ = ref.w8a8_layout(q)
+    expected = ref.w8a8_ref(x, padded, scale, 200, bias)
+    assert got.dtype == dtype
+    magnitude = x.float().abs() @ ref.dequantize_int8(q, scale).abs().T + bias.float().abs()
+    _close(got, expected, dtype, magnitude)
 
 
 def test_w8a8_reference_is_close_to_the_float_product() -> None:
@@ -102,7 +133,7 @@ def test_w8a8_reference_is_close_to_the_float_product() -> None:
 def test_kernels_check_their_input() -> None:
     q, scale = ref.rtn_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="x must be"):
-        OPS.int8_linear(torch.randn(2, 63), q, scale, None)
+        OPS.int8_linear(torch.randn(2, 63), q, scale, ref.weight_sum(q), None)
     with pytest.raises(RuntimeError, match="group"):
         OPS.int4_linear(torch.randn(2, 64), torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2),
                         torch.ones(8, 2), 64, 48, None)

@@ -9,7 +9,10 @@
 // data, so its output is bitwise the output of the Python loop; the Python loop stays the reference it
 // is tested against. The
 // GEMV and the attention block's kernels are called by their raw entry points (kernels.h), the rest
-// through the dispatcher.
+// through the dispatcher. Quantized projections (int8, int4, W8A8: attention's and a dense MLP's; routed experts
+// are bf16 only) call the ops QuantizedLinearMethod.apply calls, with the same tensors (linear_kinds and quant say
+// which and with what, four projection slots per layer, a sparse layer's MLP slots float); a quantized KV cache (int8,
+// fp8 e4m3: kv_scales holds each layer's K and V scales) is written and read by the ops CpuBackend calls for it.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -34,6 +37,11 @@ using RmsNorm = at::Tensor(T, T, double, const OptTensor&);
 using Gemv = at::Tensor(T, T, const OptTensor&);
 using SiluAndMul = at::Tensor(T);
 using ArgmaxRows = at::Tensor(T);
+using Int8Linear = at::Tensor(T, T, T, T, const OptTensor&);
+using Int4Linear = at::Tensor(T, T, T, T, int64_t, int64_t, const OptTensor&);
+using W8A8Linear = at::Tensor(T, T, T, T, int64_t, const OptTensor&);
+using WriteKvQuant = void(T, T, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, T);
+using AttentionQuant = at::Tensor(T, T, T, T, T, T, T, double, int64_t);
 using ArgmaxRowsMasked = at::Tensor(T, T);
 
 struct Ops {
@@ -41,6 +49,12 @@ struct Ops {
   c10::TypedOperatorHandle<Gemv> gemv = find_op<Gemv>("tokenmill_cpu::packed_gemv");
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = find_op<SiluAndMul>("tokenmill_cpu::silu_and_mul");
   c10::TypedOperatorHandle<ArgmaxRows> argmax_rows = find_op<ArgmaxRows>("tokenmill_cpu::argmax_rows");
+  c10::TypedOperatorHandle<Int8Linear> int8_linear = find_op<Int8Linear>("tokenmill_cpu::int8_linear");
+  c10::TypedOperatorHandle<Int4Linear> int4_linear = find_op<Int4Linear>("tokenmill_cpu::int4_linear");
+  c10::TypedOperatorHandle<W8A8Linear> w8a8_linear = find_op<W8A8Linear>("tokenmill_cpu::w8a8_linear");
+  c10::TypedOperatorHandle<WriteKvQuant> write_kv_quant = find_op<WriteKvQuant>("tokenmill_cpu::write_kv_quant_");
+  c10::TypedOperatorHandle<AttentionQuant> attention_quant =
+      find_op<AttentionQuant>("tokenmill_cpu::paged_attention_quant");
   c10::TypedOperatorHandle<ArgmaxRowsMasked> argmax_rows_masked =
       find_op<ArgmaxRowsMasked>("tokenmill_cpu::argmax_rows_masked");
 };
@@ -65,10 +79,32 @@ at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const
   return stack.at(0).toTensor();
 }
 
+// A projection's kind in linear_kinds (kind, in_features, group per projection): what QuantizedLinearMethod.apply
+// calls for it (kernels/cpu/linear/quantized.cpp), with scales and aux (int8, W8A8: the weight's row sums;
+// int4: the zero points) from the quant list
+enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kW8A8 = 3 };
+constexpr int64_t KIND_FIELDS = 3, QUANT_PER_PROJECTION = 2;
+
+struct Projection {
+  const int64_t* kind;    // null: every projection is a packed bf16 weight
+  const at::Tensor* quant;  // scales, aux
+};
+
 const Ops& ops() {
   static const Ops instance;  // looked up on first use, after every kernel file has registered
   return instance;
 }
+
+at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
+                   int64_t w_ptr, const Projection& p) {
+  switch (p.kind ? p.kind[0] : kFloat) {
+    case kInt8: return op.int8_linear.call(x, w, p.quant[0], p.quant[1], bias);
+    case kInt4: return op.int4_linear.call(x, w, p.quant[0], p.quant[1], p.kind[1], p.kind[2], bias);
+    case kW8A8: return op.w8a8_linear.call(x, w, p.quant[0], p.quant[1], p.kind[1], bias);
+    default: return linear(op, x, w, bias, gemv, w_ptr);
+  }
+}
+
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -177,8 +213,24 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
                          const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
-                         bool gemv, at::TensorList experts, const Routing& routing) {
+                         bool gemv, at::TensorList quant, const at::Tensor& linear_kinds, at::TensorList kv_scales,
+                         at::TensorList experts, const Routing& routing) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(kv_scales.empty() || static_cast<int64_t>(kv_scales.size()) == layers * 2,
+              "decode_layers: kv_scales must be empty (bf16 caches) or K and V scales per layer");
+  TORCH_CHECK(linear_kinds.numel() == 0 ||
+                  (linear_kinds.scalar_type() == at::kLong && linear_kinds.is_contiguous() &&
+                   linear_kinds.numel() == layers * 4 * KIND_FIELDS &&
+                   static_cast<int64_t>(quant.size()) == layers * 4 * QUANT_PER_PROJECTION),
+              "decode_layers: linear_kinds must be empty or int64 [layers * 4 * ", KIND_FIELDS, "] with ",
+              QUANT_PER_PROJECTION, " quant tensors per projection");
+  const int64_t* kinds = linear_kinds.numel() ? linear_kinds.data_ptr<int64_t>() : nullptr;
+  // projection i of layer l (qkv, o, gate_up, down)
+  auto proj = [&](int64_t l, int64_t i) {
+    const int64_t at = l * 4 + i;
+    return Projection{kinds ? kinds + at * KIND_FIELDS : nullptr,
+                      kinds ? quant.data() + at * QUANT_PER_PROJECTION : nullptr};
+  };
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER, "decode_layers: ", PER_LAYER,
               " weights per layer expected");
   TORCH_CHECK(h_in.dim() == 2 && h_in.is_contiguous(), "decode_layers: h must be contiguous [T, hidden]");
@@ -220,9 +272,11 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
     const at::Tensor& cache = kv_caches[l];  // [2, blocks, block_size, kv heads, head_dim]
-    TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && cache.is_contiguous() && cache.dim() == 5 &&
+    const bool quantized_kv = !kv_scales.empty();
+    TORCH_CHECK((quantized_kv || cache.scalar_type() == at::kBFloat16) && cache.is_contiguous() && cache.dim() == 5 &&
                 cache.size(0) == 2 && cache.size(3) * cache.size(4) == kv_size,
-                "decode_layers: each KV cache must be a contiguous bfloat16 [2, blocks, block_size, heads, head_dim]");
+                "decode_layers: each KV cache must be a contiguous [2, blocks, block_size, heads, head_dim], bfloat16 "
+                "or with its scales");
     at::Tensor x;
     if (l == 0) {
       residual = h;
@@ -233,26 +287,39 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     const int64_t* lp = wp;  // this layer's GEMV addresses
     const bool dense = w[5].numel() != 0;
     if (wp) wp += dense ? 4 : 2 + 2 * routing.num_experts;
-    const at::Tensor qkv = linear(op, x, w[1], bias_or_none(w[2]), gemv, lp ? lp[0] : 0);
+    const at::Tensor qkv = project(op, x, w[1], bias_or_none(w[2]), gemv, lp ? lp[0] : 0, proj(l, 0));
     auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
     uint16_t* k = q + q_size;
     const uint16_t* v = k + kv_size;
     tokenmill::rotary_rows(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos_p, sin_p);
     tokenmill::rotary_rows(k, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos_p, sin_p);
-    auto* k_cache = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
-    uint16_t* v_cache = k_cache + cache.stride(0);
-    const int64_t block_size = cache.size(2), num_slots = cache.size(1) * block_size;
-    tokenmill::write_kv_rows(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), qkv_row * 2,
-                             qkv_row * 2, reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache),
-                             slot_mapping.data_ptr<int64_t>(), t, kv_size * 2, num_slots);
-    tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, block_tables.data_ptr<int32_t>(),
-                                 seq_lens.data_ptr<int32_t>(), o_p, t, num_heads, num_kv_heads, head_dim, block_size,
-                                 block_tables.size(1), static_cast<float>(scale), window);
-    h = linear(op, o, w[3], OptTensor(), gemv, lp ? lp[1] : 0);
+    at::Tensor attn = o;
+    if (quantized_kv) {
+      // the quantized cache's store and attention, as CpuBackend.write_kv / forward call them with the layer's
+      // KVScales: q, k, v are the same strided views of qkv that the layer's split gives
+      const at::Tensor k_view = qkv.as_strided({t, num_kv_heads, head_dim}, {qkv_row, head_dim, 1}, q_size);
+      const at::Tensor v_view = qkv.as_strided({t, num_kv_heads, head_dim}, {qkv_row, head_dim, 1}, q_size + kv_size);
+      const at::Tensor q_view = qkv.as_strided({t, num_heads, head_dim}, {qkv_row, head_dim, 1}, 0);
+      at::Tensor k_cache = cache[0], v_cache = cache[1], k_scales = kv_scales[2 * l], v_scales = kv_scales[2 * l + 1];
+      op.write_kv_quant.call(k_view, v_view, k_cache, v_cache, k_scales, v_scales, slot_mapping);
+      attn = op.attention_quant.call(q_view, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale,
+                                     window).view({t, q_size});
+    } else {
+      auto* k_cache = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
+      uint16_t* v_cache = k_cache + cache.stride(0);
+      const int64_t block_size = cache.size(2), num_slots = cache.size(1) * block_size;
+      tokenmill::write_kv_rows(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), qkv_row * 2,
+                               qkv_row * 2, reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache),
+                               slot_mapping.data_ptr<int64_t>(), t, kv_size * 2, num_slots);
+      tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, block_tables.data_ptr<int32_t>(),
+                                   seq_lens.data_ptr<int32_t>(), o_p, t, num_heads, num_kv_heads, head_dim,
+                                   block_size, block_tables.size(1), static_cast<float>(scale), window);
+    }
+    h = project(op, attn, w[3], OptTensor(), gemv, lp ? lp[1] : 0, proj(l, 1));
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
     if (dense) {
-      const at::Tensor gate_up = linear(op, x, w[5], OptTensor(), gemv, lp ? lp[2] : 0);
-      h = linear(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv, lp ? lp[3] : 0);
+      const at::Tensor gate_up = project(op, x, w[5], OptTensor(), gemv, lp ? lp[2] : 0, proj(l, 2));
+      h = project(op, op.silu_and_mul.call(gate_up), w[6], OptTensor(), gemv, lp ? lp[3] : 0, proj(l, 3));
     } else {
       h = routed_experts(op, x, ew, lp ? lp + 2 : nullptr, routing, gemv);
       ew += per_expert_layer;
@@ -266,10 +333,12 @@ at::Tensor decode_layers_op(const at::Tensor& h_in, const at::Tensor& positions,
                             const at::Tensor& final_norm, at::TensorList kv_caches, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
-                            bool gemv, at::TensorList experts, int64_t num_experts, int64_t top_k,
+                            bool gemv, at::TensorList quant, const at::Tensor& linear_kinds,
+                            at::TensorList kv_scales, at::TensorList experts, int64_t num_experts, int64_t top_k,
                             bool norm_topk_prob, double routed_scaling_factor) {
   return decode_layers(h_in, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches, slot_mapping,
-                       block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps, scale, window, gemv, experts,
+                       block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps, scale, window, gemv, quant,
+                       linear_kinds, kv_scales, experts,
                        Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
 }
 
@@ -280,7 +349,8 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          const at::Tensor& gemv_ptrs, const at::Tensor& final_norm, at::TensorList kv_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         int64_t window, bool gemv, at::TensorList experts, int64_t num_experts, int64_t top_k,
+                         int64_t window, bool gemv, at::TensorList quant, const at::Tensor& linear_kinds,
+                         at::TensorList kv_scales, at::TensorList experts, int64_t num_experts, int64_t top_k,
                          bool norm_topk_prob, double routed_scaling_factor, const at::Tensor& lm_head,
                          const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr,
                          const OptTensor& bitmask) {
@@ -299,7 +369,7 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
   }
   const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
-                                     scale, window, gemv, experts,
+                                     scale, window, gemv, quant, linear_kinds, kv_scales, experts,
                                      Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
   const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
   if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
@@ -312,11 +382,13 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor gemv_ptrs, "
         "Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, bool gemv, "
+        "Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, "
         "Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor) -> Tensor");
   m.def("decode_greedy(Tensor input_ids, Tensor embed, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor gemv_ptrs, Tensor final_norm, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
-        "bool gemv, Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor, "
+        "bool gemv, Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, "
+        "Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor, "
         "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? bitmask=None) -> Tensor");
 }
 

@@ -6,7 +6,8 @@
 // - int8_linear: weight int8 [N, K], scale fp32 [N]: y = (x . w_n) * scale_n.
 // - int4_linear: weight uint8 [N, Kp/2] (Kp = K padded to 32): within each run of 32 k, byte j holds
 //   k = j in its low nibble and k = j + 16 in its high nibble, so one 16-byte load gives two runs of
-//   16 consecutive k. scale and zero fp32 [N, ceil(K / group)]: w = (q - zero) * scale; group is a
+//   16 consecutive k. scale and zero fp32 [N, ceil(K / group)] (zero empty: 8 throughout, the symmetric
+//   case, which then reads no zero points): w = (q - zero) * scale; group is a
 //   multiple of 32 (or covers all of K).
 // - w8a8_linear: weight int8 [N, Kp] (Kp = K padded to 64, with zeros), scale fp32 [N], wsum int32 [N]
 //   (the row sums of the weight). Each row of x is quantized to int8 with its own scale
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -94,7 +96,7 @@ void int4_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
           gacc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k + 16), hi, gacc[r]);
         }
       }
-      const float s = scale[n * G + g], sz = s * zero[n * G + g];
+      const float s = scale[n * G + g], sz = s * (zero ? zero[n * G + g] : 8.0f);
       const __m512 sv = _mm512_set1_ps(s);
       for (int r = 0; r < MR; ++r) {
         acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
@@ -123,6 +125,125 @@ void w8a8_rows(const uint8_t* x, int64_t Kp, const int8_t* w, const float* xs, c
   }
 }
 
+// ---- bf16 activations at batch <= KERNEL_MAX_ROWS: int8 dot products (VNNI) over two int8 limbs ----
+//
+// Converting every weight to float costs more instructions per byte than one core can stream from
+// memory, so for bf16 x the W8A16/W4A16 products run on VNNI's u8 x s8 dot products instead: each
+// row of x becomes 16-bit fixed point, x ~ s * (256 h + l) with s = amax / 32639 and h, l in
+// [-128, 127] (|256 h + l| <= 32639, rounded half to even), which is within amax * 2^-16 of x, finer
+// than x's own bf16 rounding of its largest elements; the products of h and l with the integer
+// weights are exact in int32 and are scaled in fp32 (per row for int8, per group for int4).
+
+// x's row (bf16) as fp32, 16 values from k (zero past K)
+inline __m512 load_bf16(const uint16_t* x, int64_t k, int64_t K) {
+  const int64_t left = K - k;
+  const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  const __m256i v = _mm256_maskz_loadu_epi16(m, x + k);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// One row of x (bf16, K values) as limbs h and l, 16 bytes per 16 k at byte offset dest(k / 16), plus
+// (int4 order) each group's sum of 256 h + l. offset: the limbs stored as u8 (+128) for s8 weights.
+// Returns s.
+template <typename Dest>
+float split_row(const uint16_t* x, int64_t K, int64_t Kp, bool offset, Dest dest, int8_t* h, int8_t* l,
+                int64_t group, float* gsum) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16(x, k, K)));
+  const float s = std::max(_mm512_reduce_max_ps(amax), 1e-30f) / 32639.0f;
+  const __m512 inv = _mm512_set1_ps(1.0f / s);
+  const __m512i lim = _mm512_set1_epi32(32639), c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+  const __m512i off = _mm512_set1_epi32(offset ? 128 : 0);
+  for (int64_t k = 0; k < Kp; k += 16) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(k < K ? load_bf16(x, k, K) : _mm512_setzero_ps(), inv));
+    v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_sub_epi32(_mm512_setzero_si512(), lim)), lim);
+    const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, c128), c255), c128);
+    const __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(v, lo), 8);
+    const int64_t d = dest(k);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + d), _mm512_cvtepi32_epi8(_mm512_add_epi32(hi, off)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(l + d), _mm512_cvtepi32_epi8(_mm512_add_epi32(lo, off)));
+    if (gsum != nullptr) gsum[k / group] += static_cast<float>(_mm512_reduce_add_epi32(v));
+  }
+  return s;
+}
+
+// int8 weights [N, K] (s8) against limbs stored u8 (+128) [MR][Kp]; the +128 comes off as 128 * wsum.
+// NR output rows at a time, so 2 * MR * NR dot-product chains are in flight.
+template <int MR, int NR>
+void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const float* xs, const int8_t* w,
+                    const float* scale, const int32_t* wsum, int64_t K, int64_t n, float* y, int64_t ldy) {
+  __m512i ah[MR][NR], al[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) ah[r][j] = _mm512_setzero_si512(), al[r][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 m = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
+    __m512i wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_epi8(m, w + (n + j) * K + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i h = _mm512_loadu_si512(xh + r * Kp + k), l = _mm512_loadu_si512(xl + r * Kp + k);
+      for (int j = 0; j < NR; ++j) {
+        ah[r][j] = _mm512_dpbusd_epi32(ah[r][j], h, wv[j]);
+        al[r][j] = _mm512_dpbusd_epi32(al[r][j], l, wv[j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      const int32_t c = 128 * wsum[n + j];
+      const double dh = _mm512_reduce_add_epi32(ah[r][j]) - c, dl = _mm512_reduce_add_epi32(al[r][j]) - c;
+      y[r * ldy + n + j] = static_cast<float>((256.0 * dh + dl) * (static_cast<double>(xs[r]) * scale[n + j]));
+    }
+}
+
+// int4 weights (the packed layout, K a multiple of 128 and of nothing smaller than the group's 128)
+// against limbs s8 in the packed order: per 128 k, 64 bytes matching the low nibbles, then 64 matching
+// the high ones. xg [MR][G]: each row's per-group sums of 256 h + l, for the zero points.
+template <int MR, int NR>
+void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* xs, const float* xg,
+                    const uint8_t* w, const float* scale, const float* zero, int64_t group, int64_t n, float* y,
+                    int64_t ldy) {
+  const int64_t G = K / group, chunks = group / 128;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 f[MR][NR];
+  float corr[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) f[r][j] = _mm512_setzero_ps(), corr[r][j] = 0.0f;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i ah[MR][NR], al[MR][NR];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j) ah[r][j] = _mm512_setzero_si512(), al[r][j] = _mm512_setzero_si512();
+    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
+      __m512i lo[NR], hi[NR];
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + (n + j) * (K / 2) + c * 64);
+        lo[j] = _mm512_and_si512(v, nib);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* ph = xh + r * K + c * 128;
+        const int8_t* pl = xl + r * K + c * 128;
+        const __m512i h0 = _mm512_loadu_si512(ph), h1 = _mm512_loadu_si512(ph + 64);
+        const __m512i l0 = _mm512_loadu_si512(pl), l1 = _mm512_loadu_si512(pl + 64);
+        for (int j = 0; j < NR; ++j) {
+          ah[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ah[r][j], lo[j], h0), hi[j], h1);
+          al[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(al[r][j], lo[j], l0), hi[j], l1);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const float s = scale[(n + j) * G + g], sz = s * (zero ? zero[(n + j) * G + g] : 8.0f);
+      const __m512 sv = _mm512_set1_ps(s);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(ah[r][j], 8), al[r][j]);
+        f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, f[r][j]);
+        corr[r][j] += sz * xg[r * G + g];
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = (_mm512_reduce_add_ps(f[r][j]) - corr[r][j]) * xs[r];
+}
+
 // rows of x in tiles of up to kRowTile, each tile over every output; outputs split across threads
 template <typename Fn>
 void over_tiles(int64_t M, int64_t N, Fn fn) {
@@ -131,18 +252,93 @@ void over_tiles(int64_t M, int64_t N, Fn fn) {
   });
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+// x's rows as limbs for the *_limb_rows kernels: xh, xl [M, Kp] (dest: byte offset of k's 16 limbs),
+// xs [M], and with group > 0 the per-group sums xg [M, Kp / group]
+struct Limbs {
+  std::vector<int8_t> h, l;
+  std::vector<float> s, g;
+};
+
+template <typename Dest>
+Limbs split_rows(const at::Tensor& x, int64_t Kp, bool offset, Dest dest, int64_t group) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Limbs out{std::vector<int8_t>(M * Kp), std::vector<int8_t>(M * Kp), std::vector<float>(M),
+            std::vector<float>(group > 0 ? M * (Kp / group) : 0, 0.0f)};
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    out.s[m] = split_row(xp + m * x.stride(0), K, Kp, offset, dest, out.h.data() + m * Kp, out.l.data() + m * Kp,
+                         group, group > 0 ? out.g.data() + m * (Kp / group) : nullptr);
+  }
+  return out;
+}
+
+// y fp32 [M, N] (+ bias) as x's dtype
+at::Tensor store_rows(const std::vector<float>& y, int64_t M, int64_t N, const c10::optional<at::Tensor>& bias,
+                      const at::Tensor& x) {
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool has_bias = bias.has_value() && bias->defined();
+  const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  auto* op = out.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) op[m * N + n] = static_cast<at::BFloat16>(y[m * N + n] + (bp ? bp[n] : 0.0f));
+  return out;
+}
+
+constexpr int64_t kLimbMaxRows = 16;  // the layer's KERNEL_MAX_ROWS
+bool limb_path(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 && x.size(0) <= kLimbMaxRows && x.stride(1) == 1;
+}
+
+// rows n0..n1 of one row tile, NR outputs at a time, then the rest one by one
+template <int MR, int NR, typename Fn1, typename FnN>
+void n_blocks(int64_t n0, int64_t n1, Fn1 one, FnN many) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) many(n);
+  for (; n < n1; ++n) one(n);
+}
+
+#define TM_ROW_TILES(MR_, CALL)                                                                         \
+  switch (MR_) {                                                                                        \
+    case 1: CALL(1, 4); break;                                                                          \
+    case 2: CALL(2, 2); break;                                                                          \
+    case 3: CALL(3, 2); break;                                                                          \
+    default: CALL(4, 1); break;                                                                         \
+  }
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& wsum,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(), "int8_linear: weight");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "int8_linear: scale");
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == weight.size(0),
+              "int8_linear: wsum");
   const int64_t N = weight.size(0), K = weight.size(1), M = x.size(0);
   check_x(x, K, "int8_linear");
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  if (limb_path(x)) {
+    const int64_t Kp = round_up(K, 64);
+    const Limbs xl = split_rows(x, Kp, true, [](int64_t k) { return k; }, 0);
+    std::vector<float> y(M * N);
+    const int32_t* ws = wsum.data_ptr<int32_t>();
+    over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
+      const auto* h = reinterpret_cast<const uint8_t*>(xl.h.data() + m * Kp);
+      const auto* l = reinterpret_cast<const uint8_t*>(xl.l.data() + m * Kp);
+      const float* s = xl.s.data() + m;
+      float* ym = y.data() + m * N;
+#define TM_INT8(MR, NR)                                                                               \
+  n_blocks<MR, NR>(                                                                                   \
+      n0, n1, [&](int64_t n) { int8_limb_rows<MR, 1>(h, l, Kp, s, wp, sp, ws, K, n, ym, N); },          \
+      [&](int64_t n) { int8_limb_rows<MR, NR>(h, l, Kp, s, wp, sp, ws, K, n, ym, N); })
+      TM_ROW_TILES(mr, TM_INT8)
+#undef TM_INT8
+    });
+    return store_rows(y, M, N, bias, x);
+  }
   const int64_t Kp = round_up(K, 16);
   auto xf = padded_fp32(x, Kp);
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
-  const int8_t* wp = weight.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
     const float* xm = xp + m * Kp;
@@ -166,10 +362,34 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
               " is not a multiple of 32 and does not cover K");
   const int64_t G = (K + group - 1) / group;
   for (const auto* t : {&scale, &zero}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * G,
-                "int4_linear: scale and zero must be fp32 [N, ", G, "]");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && (t->numel() == N * G || (t == &zero && t->numel() == 0)),
+                "int4_linear: scale and zero must be fp32 [N, ", G, "] (zero empty: symmetric, 8 throughout)");
   }
   check_x(x, K, "int4_linear");
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float *sp = scale.data_ptr<float>(), *zp = zero.numel() ? zero.data_ptr<float>() : nullptr;
+  // the limb kernels take whole chunks of 128 k per group; a group's int32 sums stay under 2^31 below 2^15
+  if (limb_path(x) && K % 128 == 0 && group % 128 == 0 && group <= 32768 && K % group == 0) {
+    const Limbs xl = split_rows(x, K, false, [](int64_t k) {
+      const int64_t b = (k % 128) / 16;
+      return k / 128 * 128 + (b % 2) * 64 + (b / 2) * 16;
+    }, group);
+    std::vector<float> y(M * N);
+    over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
+      const int8_t* h = xl.h.data() + m * K;
+      const int8_t* l = xl.l.data() + m * K;
+      const float* s = xl.s.data() + m;
+      const float* g = xl.g.data() + m * G;
+      float* ym = y.data() + m * N;
+#define TM_INT4(MR, NR)                                                                               \
+  n_blocks<MR, NR>(                                                                                   \
+      n0, n1, [&](int64_t n) { int4_limb_rows<MR, 1>(h, l, K, s, g, wp, sp, zp, group, n, ym, N); },    \
+      [&](int64_t n) { int4_limb_rows<MR, NR>(h, l, K, s, g, wp, sp, zp, group, n, ym, N); })
+      TM_ROW_TILES(mr, TM_INT4)
+#undef TM_INT4
+    });
+    return store_rows(y, M, N, bias, x);
+  }
   auto xf = padded_fp32(x, Kp);
   // each row's sum over each group (the padding is zero)
   auto xsum = at::zeros({M, G * group}, xf.options());
@@ -178,8 +398,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   const float* xs = xsum.data_ptr<float>();
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
     const float* xm = xp + m * Kp;
@@ -246,6 +464,69 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return finish(y, bias, x);
 }
 
+// W8A8 beyond the VNNI kernel's rows (oneDNN's int8 matmul runs the product): x [M, K] (bf16 or fp32) ->
+// (q int8 [M, K], scale fp32 [M]), each row rounded as quantize_rows rounds it (amax / 127, half to even)
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows_int8: x must be contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quantize_rows_int8: bf16 or fp32");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M}, x.options().dtype(at::kFloat));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      auto load = [&](int64_t k) {
+        if (bf16) return load_bf16(reinterpret_cast<const uint16_t*>(xp) + m * K, k, K);
+        const int64_t left = K - k;
+        const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        return _mm512_maskz_loadu_ps(mk, reinterpret_cast<const float*>(xp) + m * K + k);
+      };
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load(k)));
+      const float s = std::max(_mm512_reduce_max_ps(amax), 1e-10f) / 127.0f;
+      sp[m] = s;
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512i v = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(load(k), sv)), lo), hi);
+        const int64_t left = K - k;
+        const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        _mm_mask_storeu_epi8(qp + m * K + k, mk, _mm512_cvtepi32_epi8(v));
+      }
+    }
+  });
+  return {q, scale};
+}
+
+// y fp32 [M, N] (the integer products times each output's scale) times each row's scale, plus bias, as dtype
+at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scale, const c10::optional<at::Tensor>& bias,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat, "scale_rows: y must be fp32 [M, N]");
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == y.size(0), "scale_rows: row_scale");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "scale_rows: bf16 or fp32 out");
+  const int64_t M = y.size(0), N = y.size(1);
+  const bool has_bias = bias.has_value() && bias->defined();
+  const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, y.options().dtype(dtype));
+  const float* yp = y.data_ptr<float>();
+  const float* rs = row_scale.data_ptr<float>();
+  at::BFloat16* ob = dtype == at::kBFloat16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* of = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = yp[m * N + n] * rs[m] + (bp ? bp[n] : 0.0f);
+        if (ob) ob[m * N + n] = static_cast<at::BFloat16>(v);
+        else of[m * N + n] = v;
+      }
+  });
+  return out;
+}
+
 bool has_quantized_linear() { return true; }
 
 }  // namespace
@@ -256,7 +537,8 @@ namespace {
 
 [[noreturn]] void unavailable() { TORCH_CHECK(false, "quantized linear kernels: built without AVX512-BW/VNNI"); }
 
-at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const c10::optional<at::Tensor>&) {
   unavailable();
 }
 at::Tensor int4_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
@@ -267,6 +549,10 @@ at::Tensor w8a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
                        const c10::optional<at::Tensor>&) {
   unavailable();
 }
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor&) { unavailable(); }
+at::Tensor scale_rows(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType) {
+  unavailable();
+}
 bool has_quantized_linear() { return false; }
 
 }  // namespace
@@ -275,14 +561,18 @@ bool has_quantized_linear() { return false; }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("has_quantized_linear() -> bool", &has_quantized_linear);
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, Tensor zero, int in_features, int group, "
         "Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, int in_features, Tensor? bias) -> Tensor");
+  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("scale_rows(Tensor y, Tensor row_scale, Tensor? bias, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("scale_rows", &scale_rows);
 }
