@@ -5,7 +5,6 @@ clients leave keep no KV block (the beams' kept and shared blocks are all releas
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from tests.conftest import random_prompts
 from tests.entrypoints.conftest import FLOAT32_NAME as NAME
 from tests.entrypoints.server import RemoteServer
-from tests.entrypoints.test_serve_openai import metrics
+from tests.entrypoints.test_serve_openai import wait_until_idle_and_free
 from tokenmill import LLM, BeamSearchParams
 
 PROMPTS = random_prompts(2, 4, 20, seed=21)
@@ -60,14 +59,7 @@ def test_searches_whose_clients_leave_free_every_block(server: RemoteServer) -> 
             await asyncio.gather(*[impatient(http, i) for i in range(4)])
 
     asyncio.run(run())
-    deadline = time.monotonic() + 30
-    while True:
-        m = metrics(server)
-        settled = m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
-        if settled and m["tokenmill:kv_cache_free_blocks"] == m["tokenmill:kv_cache_total_blocks"]:
-            break
-        assert time.monotonic() < deadline, f"KV blocks not freed: {m}"
-        time.sleep(0.2)
+    wait_until_idle_and_free(server, 30)
     body = {"model": NAME, "prompt": "hello", "max_tokens": 3, "n": 2, "use_beam_search": True}
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2

@@ -53,6 +53,21 @@ def metrics(server: RemoteServer) -> dict[str, float]:
     return values
 
 
+def wait_until_idle_and_free(server: RemoteServer, timeout: float) -> dict[str, float]:
+    """Polls /metrics until no request runs or waits and every KV block is free; returns the last read
+    (fails the test after `timeout` seconds)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        settled = m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
+        if settled and m["tokenmill:kv_cache_free_blocks"] == m["tokenmill:kv_cache_total_blocks"]:
+            return m
+        assert time.monotonic() < deadline, f"KV blocks not freed: {m}"
+        time.sleep(0.2)
+
+
 def test_models_health_version(server: RemoteServer, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [NAME]
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -215,16 +230,7 @@ def test_disconnects_free_kv_blocks(server: RemoteServer, client: openai.OpenAI)
             await asyncio.gather(*[one(http, i) for i in range(50)], *[impatient(http, i) for i in range(10)])
 
     asyncio.run(run())
-    import time
-
-    deadline = time.monotonic() + 20
-    while True:
-        m = metrics(server)
-        settled = m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
-        if settled and m["tokenmill:kv_cache_free_blocks"] == m["tokenmill:kv_cache_total_blocks"]:
-            break
-        assert time.monotonic() < deadline, f"KV blocks not freed: {m}"
-        time.sleep(0.2)
+    m = wait_until_idle_and_free(server, 20)
     # a stream can still run to its length before the server sees its client gone (a host loaded by
     # other jobs delays the client's read and the hang-up): most, not all, must end as aborts
     assert m["tokenmill:request_finished_total{abort}"] >= 45
