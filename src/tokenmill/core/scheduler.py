@@ -236,6 +236,9 @@ class Scheduler:
         of a lower class (the lowest first): lower classes only ever use the capacity higher ones leave."""
         if not self.running or not self.waiting:
             return
+        lowest = max(r.priority_class for r in self.running)
+        if all(r.priority_class >= lowest for r in self.waiting):
+            return  # nothing waiting outranks anything running (always so with one class of traffic)
         budget = self.config.max_num_batched_tokens
         seats = self.config.max_num_seqs - len(self.running)
         reserved = 0  # free blocks promised to the waiting requests looked at so far
