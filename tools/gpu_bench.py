@@ -65,6 +65,8 @@ def hf(args: argparse.Namespace) -> dict[str, Any]:
             sync()
             wall = time.perf_counter() - t
             per_batch[bs] = {"wall_s": round(wall, 3), "output_tok_s": round(useful / wall, 1)}
+            print(json.dumps({"engine": "hf-generate", "partial": True, "batch_size": bs, **per_batch[bs]}),
+                  flush=True)  # each batch size as it ends, in case a time limit stops the next
     best = max(per_batch, key=lambda b: per_batch[b]["output_tok_s"])
     return {"engine": "hf-generate", "model": args.model, "requests": len(reqs), "output_tokens": useful,
             "per_batch_size": per_batch, "best_batch_size": best, **per_batch[best],

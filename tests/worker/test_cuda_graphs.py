@@ -31,13 +31,17 @@ def test_padded_rows_write_nothing_and_see_nothing() -> None:
     meta = AttentionMetadata(slot_mapping=torch.tensor([17, 40, 3]), query_start_loc=[0, 1, 2, 3],
                              seq_lens=[18, 41, 4], block_tables=[[1, 0], [4, 5, 2], [0]], num_decodes=3,
                              block_size=16)
+    get_backend("triton").prepare(meta, torch.device("cpu"))  # as the runner does: the step's tables, lengths
     graphs.slots.fill_(99)
     graphs.lens.fill_(99)
+    graphs.tables.fill_(99)
     graphs._fill(3, 4, torch.tensor([5, 6, 7]), torch.tensor([17, 40, 3]), meta)
     assert graphs.slots[:4].tolist() == [17, 40, 3, -1]
     assert graphs.lens[:4].tolist() == [18, 41, 4, 0]
     assert graphs.input_ids[:3].tolist() == [5, 6, 7] and graphs.positions[:4].tolist() == [17, 40, 3, 0]
-    assert graphs.tables[:3].tolist() == [[1, 0, 0, 0, 0, 0, 0], [4, 5, 2, 0, 0, 0, 0], [0] * 7]
+    # the longest context's 3 blocks wide; the columns past them are left as they were (no row reads them)
+    assert graphs.tables[:3, :3].tolist() == [[1, 0, 0], [4, 5, 2], [0, 0, 0]]
+    assert graphs.tables[:3, 3:].eq(99).all()
     assert graphs.applies(meta, 3)
     meta.num_decodes = 2  # a step with a prefill chunk runs eagerly
     assert not graphs.applies(meta, 3)
@@ -80,6 +84,8 @@ class CpuDecodeGraphs(DecodeGraphs):
         return graph, graph.hidden
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter runs only where no GPU is; on a GPU, "
+                    "test_golden.py::test_cuda_triton replays the real graphs")
 def test_padded_graph_inputs_give_golden_tokens(model_dirs: dict[str, str]) -> None:
     # every decode step through the graphs' persistent buffers, padded to 1, 2 or 4 rows, with the triton
     # backend (the interpreter here): greedy tokens still equal transformers'
@@ -88,7 +94,7 @@ def test_padded_graph_inputs_give_golden_tokens(model_dirs: dict[str, str]) -> N
 
     model_dir = model_dirs["llama-gqa4-untied"]
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", block_size=16,
-              max_num_seqs=4)
+              max_num_seqs=4, device="cpu")
     runner = llm.engine.core.executor.worker.model_runner
     runner.graphs = CpuDecodeGraphs(runner.model, 4, 128, 16, torch.device("cpu"))
     prompts, max_tokens = PROMPTS[:3], [5, 3, 4]

@@ -29,7 +29,7 @@ def inv_frequencies(rot_dim: int, rope: RopeConfig, long: bool = False) -> torch
         if len(factors) != rot_dim // 2:
             raise ValueError(f"longrope {'long' if long else 'short'}_factor has {len(factors)} entries; "
                              f"the rotary dimension {rot_dim} needs {rot_dim // 2}")
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -103,9 +103,9 @@ def _yarn(inv_freq: torch.Tensor, rot_dim: int, rope: RopeConfig) -> torch.Tenso
     low, high = max(low, 0), min(high, rot_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
-    pos_freqs = rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)
+    pos_freqs = rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim)
     return 1.0 / (rope.factor * pos_freqs) * (1 - extrapolation) + inv_freq * extrapolation
 
 

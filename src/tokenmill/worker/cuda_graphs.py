@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, padded_tables, to_device
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.layers.attention import attention_layers
 from tokenmill.layers.mla import MLAAttention
 from tokenmill.layers.moe import SparseMoeBlock
@@ -90,8 +90,11 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)
-        self.tables[:n].copy_(to_device(padded_tables(meta.block_tables, self.width), self.tables.device))
-        self.lens[:n].copy_(to_device(torch.tensor(meta.seq_lens, dtype=torch.int32), self.lens.device))
+        # the backend's prepare put the step's tables (as wide as its longest context) and lengths on the
+        # device already; columns past that width keep older blocks, which no row reads past its length
+        tables = meta.extra["decode_tables"]
+        self.tables[:n, :tables.shape[1]].copy_(tables)
+        self.lens[:n].copy_(meta.extra["decode_lens"])
         self.positions[n:size].zero_()
         self.slots[n:size].fill_(-1)
         self.lens[n:size].zero_()

@@ -213,12 +213,15 @@ class Sampler:
 
     def argmax(self, logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> list[int] | None:
         """Each row's argmax by the C++ kernel (the first of equal maxima, as torch's), over the tokens
-        the row's bitmask allows where one is given, or None where it does not apply. For rows that are
+        the row's bitmask allows where one is given, or on a GPU by torch's argmax (no bitmask), or None
+        where neither applies. For rows that are
         all argmax (SamplingMetadata.all_argmax): the caller checks that."""
         if self.ops is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
             if bitmask is None:
                 return self.ops.argmax_rows(logits).tolist()
             return self.ops.argmax_rows_masked(logits, bitmask).tolist()
+        if logits.device.type == "cuda" and bitmask is None:  # on the logits as they are, with no float copy
+            return host_list(logits.argmax(dim=-1))
         return None
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:

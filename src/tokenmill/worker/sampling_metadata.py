@@ -20,6 +20,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from tokenmill.attention.backend import to_device
 from tokenmill.core.structured_output import GrammarBitmasks
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.rejection_sampler import accepted_run
@@ -217,8 +218,8 @@ class SamplingTable:
             sizes[list(drafts)] += [len(d) for d in drafts.values()]
             rows = np.repeat(idx, sizes)
 
-        def gathered(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a[rows]).to(device or "cpu")
+        def gathered(a: np.ndarray) -> torch.Tensor:  # (to a GPU without waiting for the step in flight)
+            return to_device(torch.from_numpy(a[rows]), device or torch.device("cpu"))
 
         lp = self.logprobs[rows] if self._logprobs else None
         meta = SamplingMetadata(
