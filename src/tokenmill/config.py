@@ -10,7 +10,6 @@ import argparse
 import glob
 import importlib.util
 import json
-import logging
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -22,8 +21,6 @@ from tokenmill.arch import RUNNERS, ArchConfig, load_arch_config
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
 from tokenmill.pooling import PoolerConfig, checkpoint_max_seq_length, resolve_pooler_config
 from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
-
-logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -237,7 +234,8 @@ class EngineArgs:
                                                "threads, and always on a GPU)")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"lookahead\" | "
-              "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; turns async scheduling off)")
+              "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; steps run one at a time "
+              "while proposing)")
     runner: str = _arg("auto", "generate (text) or pooling (embeddings, /v1/embeddings and LLM.embed); auto: "
                                "the checkpoint's kind (an encoder such as BertModel pools, a decoder generates)")
     disable_log_stats: bool = _arg(False, "no per-step statistics (bandwidth, FLOP/s, MBU/MFU, batch composition "
@@ -283,10 +281,6 @@ class EngineArgs:
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
                             else default_async_scheduling(device, self.num_threads))
-        if spec is not None and async_scheduling:
-            logger.info("speculative decoding (%s) turns async scheduling off: a step's drafts follow the "
-                        "tokens the step before took", spec.method)
-            async_scheduling = False
         return EngineConfig(
             model=model,
             cache=CacheConfig(

@@ -71,6 +71,7 @@ def make_core(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, 
         scheduler=SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling),
         cache=CacheConfig(block_size, 0, num_blocks, True),
         model=SimpleNamespace(max_model_len=max_model_len, tokenizer="", arch=SimpleNamespace(vocab_size=VOCAB)),
+        speculative=None,
         log_stats=False)  # no model shapes here for the step meter to count with
     executor = FakeExecutor(FakeRunner(block_size, lambda rid, tokens: eos_model(tokens)), num_blocks)
     return EngineCore(cast(EngineConfig, config), executor), executor

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import SPECULATIVE_METHODS, EngineArgs
-from tokenmill.spec_decode.adaptive import adaptive_k
+from tokenmill.config import SPECULATIVE_METHODS, EngineArgs, SpeculativeConfig
+from tokenmill.spec_decode.adaptive import GATE_PROBE_EVERY, SpecDecoder, adaptive_k
 from tokenmill.spec_decode.proposer import ProposalInput
 from tokenmill.spec_decode.registry import PROPOSERS
 
@@ -77,13 +77,12 @@ def test_medusa_without_its_module_fails_at_start_with_a_clear_error(llama_dir: 
     assert "medusa" in str(e.value)
 
 
-def test_speculation_turns_async_scheduling_off_and_says_so(llama_dir: str, caplog: pytest.LogCaptureFixture
-                                                            ) -> None:
-    with caplog.at_level("INFO"):
-        cfg = EngineArgs(llama_dir, async_scheduling=True,
+def test_speculation_keeps_async_scheduling(llama_dir: str) -> None:
+    # the engine runs the steps one at a time only while it proposes (engine/core.py: EngineCore.step)
+    for chosen in (True, False):
+        cfg = EngineArgs(llama_dir, async_scheduling=chosen,
                          speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config()
-    assert not cfg.scheduler.async_scheduling
-    assert "turns async scheduling off" in caplog.text
+        assert cfg.scheduler.async_scheduling is chosen
 
 
 def test_the_cli_takes_the_flag_and_reports_a_bad_one_in_one_line(llama_dir: str) -> None:
@@ -100,6 +99,35 @@ def test_the_adaptive_rule_shrinks_k_with_batch_and_acceptance() -> None:
     assert adaptive_k(0.9, 4, 16, 32) == 4 and adaptive_k(0.6, 4, 16, 32) == 2 and adaptive_k(0.4, 4, 16, 32) == 1
     assert adaptive_k(0.05, 4, 1, 32) == 1 and adaptive_k(0.01, 4, 1, 32) == 0
     assert adaptive_k(1.0, 4, 33, 32) == 0  # past max_batch_size: nothing
+
+
+class Always:
+    """Two drafts for every request."""
+
+    def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+        return {rid: [1, 2][:k] for rid, k in zip(batch.req_ids, batch.max_drafts or [2] * len(batch.req_ids),
+                                                   strict=True) if k}
+
+
+@pytest.mark.parametrize("spec_pays", [True, False])
+def test_the_cost_gate_proposes_where_drafted_steps_take_more_tokens_a_second(spec_pays: bool) -> None:
+    """Steps with drafts take 3 tokens in 2 s (or in 4 s), steps without 1 token in 1 s: the gate keeps
+    proposing where that pays and stops where it does not, probing the other mode one step in
+    GATE_PROBE_EVERY; another batch size is measured apart; unmeasured steps count for nothing."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    decoder = SpecDecoder(cfg, Always(), clock=lambda: 0.0)
+    drafted = []
+    for _ in range(5 * GATE_PROBE_EVERY):
+        verified = bool(decoder.proposed)
+        batch = ProposalInput(["a"], [[1, 2, 3]], [3 if verified else 1], step_s=(2.0 if spec_pays else 4.0)
+                              if verified else 1.0)
+        drafted.append(bool(decoder.propose(batch)))
+    tail = drafted[16:]
+    probes = sum(1 for i in range(16, len(drafted)) if (i + 1) % GATE_PROBE_EVERY == 0)  # the i-th decision
+    assert probes == 5 and sum(tail) == (len(tail) - probes if spec_pays else probes)
+    # a batch of 2 is its own bucket: it starts by proposing; a step without a time is not measured
+    assert decoder.propose(ProposalInput(["a", "b"], [[1], [2]], [1, 1], step_s=None))
+    assert decoder.gate is not None and decoder.gate.buckets[2].plain.steps == 0
 
 
 def test_a_large_batch_proposes_nothing(llama_dir: str) -> None:

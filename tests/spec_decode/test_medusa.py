@@ -140,3 +140,37 @@ def test_bad_checkpoints_are_one_clear_error(saved: tuple[MedusaHeads, Path], tm
 def test_a_proposer_for_more_tokens_than_heads_is_refused() -> None:
     with pytest.raises(ValueError, match="propose 1 to 3"):
         MedusaProposer(random_heads(), 4)
+
+
+def test_packed_heads_match_the_module(tmp_path: Path) -> None:
+    """The packed path (one stacked layer for the heads' blocks, the lm_head on all k rows) against the
+    module in bf16: the same logits up to bf16 rounding, the same drafts where the top two are apart."""
+    from tokenmill.kernels import load_cpu_kernels
+    from tokenmill.layers.linear import packing_available
+
+    ops = load_cpu_kernels()
+    if ops is None or not packing_available():
+        pytest.skip("needs the C++ kernels and oneDNN packing")
+    heads = random_heads(seed=3, layers=1)
+    heads.save(tmp_path / "one")
+    proposer = load_medusa_proposer(spec(tmp_path / "one", HEADS), TARGET, ops)
+    assert proposer.packed is not None
+    assert load_medusa_proposer(spec(tmp_path / "one", HEADS), TARGET).packed is None  # no kernels: the module
+    ref_heads = load_medusa_heads(tmp_path / "one").to(torch.bfloat16)
+    hidden = torch.randn(6, HIDDEN).to(torch.bfloat16)
+    ref = ref_heads(hidden).float()  # [heads, rows, vocab]
+    got = proposer.packed.logits(hidden).float()
+    assert torch.allclose(got, ref, rtol=2**-6, atol=2e-2 * float(ref.abs().max()))
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.05 * float(ref.abs().max())  # [heads, rows]
+    drafts = proposer.propose(proposal([str(i) for i in range(6)], hidden))
+    expected = ref.argmax(-1).t().tolist()
+    for i in range(6):
+        for j in range(HEADS):
+            if clear[j, i]:
+                assert drafts[str(i)][j] == expected[i][j], (i, j)
+    assert int(clear.sum()) >= HEADS * 3
+    # deeper heads keep the module
+    saved_two = random_heads(layers=2)
+    saved_two.save(tmp_path / "two")
+    assert load_medusa_proposer(spec(tmp_path / "two", 2), TARGET, ops).packed is None

@@ -82,7 +82,8 @@ def test_greedy_output_is_the_same_as_without_speculation(method: str, config: s
                                                           draft_dir: str, plain: dict[str, list[Any]]) -> None:
     llm = tiny(llama_dir, **CONFIGS[config],
               speculative_config=spec_config(method, draft_dir, adaptive=False))
-    assert not llm.engine.config.scheduler.async_scheduling  # turned off by speculation
+    # async scheduling stays configured; without the adaptive rule every step runs one at a time
+    assert llm.engine.config.scheduler.async_scheduling == tiny(llama_dir).engine.config.scheduler.async_scheduling
     sched = llm.engine.core.scheduler
     spec = run(llm, ALL, greedy_params())
     hits = sched.kv.prefix_hits
@@ -144,3 +145,38 @@ def test_a_thousand_requests_aborted_at_random_leave_no_block_in_either_cache(ll
     assert sched.spec.num_draft_tokens > 0
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks and not sched.kv.req_blocks
     assert draft_cache_is_free(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])  # 0: the draft's fused argmax (decode_greedy)
+def test_the_draft_models_fused_steps_match_its_layer_loop(llama_dir: str, draft_dir: str,
+                                                           temperature: float) -> None:
+    """bf16, where the draft takes the fused decode path: its proposals (catch-up feeds and one-token
+    steps as decode rows in one C++ call) are bitwise those of its layer loop over the same rows, and the
+    target's output is the same."""
+    from tokenmill.kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("needs the C++ kernels")
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=20, ignore_eos=True) for i in range(len(ALL))]
+    results = []
+    for reference in (False, True):
+        llm = LLM(llama_dir, dtype="bfloat16", block_size=8, num_threads=1, kv_cache_memory="8MiB",
+                  async_scheduling=False, speculative_config=spec_config("draft_model", draft_dir, k=3,
+                                                                         adaptive=False))
+        draft = llm.engine.core.executor.runner.proposer.proposer
+        if draft.fused is None:
+            pytest.skip("the draft model does not take the fused path on this machine")
+        draft.rows_reference = reference
+        proposals: list[dict[str, list[int]]] = []
+        propose = draft.propose
+
+        def recording(batch: Any, propose: Any = propose, proposals: list[Any] = proposals) -> Any:
+            out = propose(batch)
+            proposals.append({rid: list(d) for rid, d in out.items()})
+            return out
+
+        draft.propose = recording
+        outs = [o.outputs[0].token_ids for o in llm.generate(ALL, params, use_tqdm=False)]
+        assert sum(map(len, proposals)) > 10 and draft_cache_is_free(llm)
+        results.append((outs, [sorted(p.items()) for p in proposals]))
+    assert results[0] == results[1]

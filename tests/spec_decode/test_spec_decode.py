@@ -92,9 +92,16 @@ def configured(request: pytest.FixtureRequest, llama_dir: str) -> Iterator[tuple
     llm.engine.core.executor.runner.set_proposer(None)
 
 
-def test_wrong_drafts_change_no_token(configured: tuple[str, LLM]) -> None:
+# how a step of decodes and verification runs is run: as it is scheduled (verification as prefill), or
+# as decode rows (ModelRunner.verify_as_decode_rows, the fused decode path's input; here the layer loop)
+VERIFY = [False, True]
+
+
+@pytest.mark.parametrize("as_rows", VERIFY)
+def test_wrong_drafts_change_no_token(configured: tuple[str, LLM], as_rows: bool) -> None:
     name, llm = configured
     runner, sched = llm.engine.core.executor.runner, llm.engine.core.scheduler
+    runner.verify_as_decode_rows = as_rows
     runner.set_proposer(None)
     plain, _ = run(llm, PROMPTS, mixed_params())
     hits, preemptions = sched.kv.prefix_hits, sched.num_preemptions
@@ -107,9 +114,11 @@ def test_wrong_drafts_change_no_token(configured: tuple[str, LLM]) -> None:
         assert sched.num_preemptions > preemptions
 
 
-def test_right_drafts_change_no_token_and_take_several_a_step(configured: tuple[str, LLM]) -> None:
+@pytest.mark.parametrize("as_rows", VERIFY)
+def test_right_drafts_change_no_token_and_take_several_a_step(configured: tuple[str, LLM], as_rows: bool) -> None:
     llm = configured[1]
     runner = llm.engine.core.executor.runner
+    runner.verify_as_decode_rows = as_rows
     runner.set_proposer(None)
     plain, plain_steps = run(llm, PROMPTS, mixed_params())
     runner.set_proposer(Oracle([p + tokens for p, (tokens, *_) in zip(PROMPTS, plain, strict=True)], 4))
@@ -170,7 +179,30 @@ def test_a_seeded_random_run_with_drafts_is_reproducible_and_the_same_as_without
     assert runs[0][1] < runs[1][1]  # the seeded stream's own continuation was accepted
 
 
-def test_speculative_decoding_needs_sync_scheduling(llama_dir: str) -> None:
-    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", async_scheduling=True)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        llm.engine.core.executor.runner.set_proposer(Garbage(2))
+def test_with_async_scheduling_drafts_come_only_while_steps_run_one_at_a_time(llama_dir: str) -> None:
+    """Speculation keeps async scheduling: above the adaptive rule's max_batch_size the steps overlap and
+    nothing is proposed; at or below it (the batch's tail) each step's output is in before the next is
+    scheduled and drafts are verified. Greedy tokens are those of the same engine without speculation."""
+    prompts = [p * 3 for p in random_prompts(10, 4, 8, seed=33)]  # repeats: prompt lookup finds drafts
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    common = dict(dtype="float32", kv_cache_memory="8MiB", block_size=8, async_scheduling=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama_dir, **common).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(llama_dir, **common, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "max_batch_size": 3})
+    core = llm.engine.core
+    assert llm.engine.config.scheduler.async_scheduling
+    overlapped, submit = [], core._submit
+
+    def counting_submit() -> None:
+        submit()
+        overlapped.append(len(core._in_flight))
+        # a step scheduled behind another proposes nothing; a step that verifies drafts has none behind it
+        assert not core._in_flight[-1][0].propose_drafts
+        if len(core._in_flight) == 2:
+            assert not core._in_flight[0][0].scheduled_spec_decode_tokens
+
+    core._submit = counting_submit  # type: ignore[method-assign]
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert spec == plain
+    assert max(overlapped) == 2 and core.scheduler.spec.num_draft_tokens > 0
+    assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.pool.num_blocks

@@ -65,6 +65,15 @@ def output_rows(meta: AttentionMetadata, rows: list[int], seqs: list[int]) -> Ou
     return OutputRows(index, rows_meta)
 
 
+def as_decode_rows(meta: AttentionMetadata) -> AttentionMetadata:
+    """The same step with every query row a decode of its own, over its sequence's blocks up to its
+    position: what the step computes is unchanged (each row attends causally as before), and a step of
+    decodes and short verification runs (a token and its drafts) becomes one the decode kernels take."""
+    qsl = meta.query_start_loc
+    seqs = [s for s in range(meta.num_seqs) for _ in range(qsl[s + 1] - qsl[s])]
+    return output_rows(meta, list(range(qsl[-1])), seqs).meta
+
+
 @dataclass
 class KVScales:
     """A quantized layer cache's scales (kv_cache_spec.QUANTIZED_KV_DTYPES): [num_blocks, block_size, Hk]

@@ -50,6 +50,9 @@ class SchedulerOutput:
     # copy-on-write: (source, destination) block ids whose KV (every layer's, scales included) the
     # workers copy, in order, before the step's tokens are written
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # whether the workers may propose drafts after this step: False for a step scheduled while another
+    # runs (async scheduling), whose drafts would not follow the tokens the step in flight takes
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

@@ -121,6 +121,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._ended)
 
+    def has_predictions(self) -> bool:
+        """Whether a running request brings a Predicted Outputs reference text."""
+        return any(r.sampling_params.prediction_token_ids for r in self.running)
+
     def _queue_key(self, req: Request) -> tuple[int, int, int, int, float]:
         # by class; in a class preempted requests go first, then by priority (lower first), then the
         # groups' turns, then by arrival

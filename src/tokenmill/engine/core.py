@@ -64,8 +64,16 @@ class EngineCore:
         """Run one step and return its outputs. With async scheduling the next step is scheduled, its
         inputs built and queued before this one's outputs are waited for, so the scheduler, the
         input preparation and the caller's output processing run while the steps compute; a step
-        is scheduled with the tokens its predecessor samples as placeholders (Scheduler._advance)."""
-        if not self.config.scheduler.async_scheduling:
+        is scheduled with the tokens its predecessor samples as placeholders (Scheduler._advance).
+
+        Speculative decoding needs each step's output before the next is scheduled (its drafts follow
+        the tokens taken): while the batch is small enough for proposing (`_speculating`) the steps run
+        one at a time (those in flight are drained first); otherwise they overlap and propose nothing,
+        and a step that verifies drafts (the first after a switch) is never overlapped, since how many
+        tokens it takes is not known when the next would be scheduled."""
+        if not self.config.scheduler.async_scheduling or self._speculating():
+            if self._in_flight:
+                return self._finish_in_flight()
             if not self.scheduler.has_unfinished_requests():
                 return self._outputs(None, None)
             so = self._schedule()
@@ -78,10 +86,14 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 return self._outputs(None, None)
             self._submit()
-        if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
+        if (len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests()
+                and not (self._in_flight and self._in_flight[-1][0].scheduled_spec_decode_tokens)):
             self._submit()
         if not self._in_flight:  # the steps just scheduled failed to be prepared
             return self._outputs(None, None)
+        return self._finish_in_flight()
+
+    def _finish_in_flight(self) -> EngineCoreOutputs:
         so, future = self._in_flight.popleft()
         try:
             runner_out = future.result()
@@ -89,8 +101,19 @@ class EngineCore:
             return self._step_failed(so, e)
         return self._outputs(so, runner_out)
 
+    def _speculating(self) -> bool:
+        """Whether the workers may propose drafts now: speculative decoding is configured, and the
+        adaptive rule is off or the running batch is within its max_batch_size (or a request brings
+        a Predicted Outputs reference, drafted whatever the batch)."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        return (not spec.adaptive or len(self.scheduler.running) <= spec.max_batch_size
+                or self.scheduler.has_predictions())
+
     def _submit(self) -> None:
         so = self._schedule()
+        so.propose_drafts = False  # the next step is scheduled before this one's output is in
         try:
             self._in_flight.append((so, self.executor.submit(so)))
         except Exception as e:

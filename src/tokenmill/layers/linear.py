@@ -227,17 +227,19 @@ class UnquantizedLinearMethod:
         return int(torch.ops.mkldnn.data_ptr(layer.weight))
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any = None) -> Linear:
-    """A packed bf16 layer holding a copy of these weights (GEMV from `ops` without the probe): for
-    tests and tools that compare the packed paths with F.linear."""
-    method = UnquantizedLinearMethod()
-    layer = Linear(weight.shape[1], weight.shape[0], bias is not None, weight.dtype, method)
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any = None,
+                  method: UnquantizedLinearMethod | None = None) -> Linear:
+    """A packed bf16 layer holding a copy of these weights: with `method`, packed and given the GEMV as
+    that method decides (after its probe); else GEMV from `ops` without the probe, for tests and tools
+    that compare the packed paths with F.linear."""
+    use = method if method is not None else UnquantizedLinearMethod()
+    layer = Linear(weight.shape[1], weight.shape[0], bias is not None, weight.dtype, use)
     layer.weight.data.copy_(weight)
     if bias is not None and layer.bias is not None:
         layer.bias.data.copy_(bias)
-    method.process_weights_after_loading(layer)
-    if ops is not None:
-        method.enable_gemv(layer, ops)
+    use.process_weights_after_loading(layer)
+    if method is None and ops is not None:
+        use.enable_gemv(layer, ops)
     return layer
 
 

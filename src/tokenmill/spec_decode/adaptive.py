@@ -10,12 +10,20 @@ bound by compute (large ones): every draft is a row the target computes. Per ste
   (B: the requests taking tokens). A request whose estimate gives k' = 0 still gets one draft every
   `PROBE_EVERY` steps, so the estimate can recover.
 
+On top of that, a measured gate (`CostGate`) per batch size (its power of two): the tokens a second
+of steps that verified drafts (the step's time, plus the proposing that drafted them) against steps that
+did not. Where proposing is measured slower, the method proposes nothing in that bucket, with one
+step in GATE_PROBE_EVERY spent on the other mode so that its estimate can recover. Steps with
+prefill rows are not measured.
+
 A request with a reference text (SamplingParams.prediction_token_ids, from OpenAI's `prediction`) is
 drafted from it by prompt lookup, whatever the configured method and without the rule."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import SpeculativeConfig
@@ -34,6 +42,55 @@ class _Acceptance:
     idle: int = 0  # steps since the request last got a draft
 
 
+GATE_DECAY = 0.9  # the weight of a bucket's earlier steps in its rates, per step measured
+GATE_MIN_STEPS = 3  # steps of each mode a bucket measures before it chooses
+GATE_PROBE_EVERY = 32  # one step in this many runs the mode the gate did not choose
+
+
+@dataclass
+class _Rate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * GATE_DECAY + tokens
+        self.seconds = self.seconds * GATE_DECAY + seconds
+        self.steps += 1
+
+
+@dataclass
+class _Bucket:
+    plain: _Rate = field(default_factory=_Rate)
+    spec: _Rate = field(default_factory=_Rate)
+    decisions: int = 0
+
+
+class CostGate:
+    """Whether proposing pays at a batch size: measured tokens per second with drafts against without."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, _Bucket] = {}
+
+    def observe(self, batch: int, tokens: int, seconds: float, verified: bool) -> None:
+        """A measured step of `batch` requests that took `tokens` in `seconds` (with the proposing
+        before it); verified: it verified drafts."""
+        bucket = self.buckets.setdefault(batch.bit_length(), _Bucket())
+        (bucket.spec if verified else bucket.plain).add(tokens, seconds)
+
+    def pays(self, batch: int) -> bool:
+        """Whether to propose for the next step of `batch` requests."""
+        bucket = self.buckets.setdefault(batch.bit_length(), _Bucket())
+        bucket.decisions += 1
+        plain, spec = bucket.plain, bucket.spec
+        if spec.steps < GATE_MIN_STEPS:
+            return True
+        if plain.steps < GATE_MIN_STEPS:
+            return False
+        better = spec.tokens * plain.seconds >= plain.tokens * spec.seconds
+        return better != (bucket.decisions % GATE_PROBE_EVERY == 0)  # a probe of the other mode
+
+
 def adaptive_k(rate: float, k: int, batch: int, max_batch_size: int) -> int:
     """The drafts a request with this acceptance estimate gets in a step of `batch` requests."""
     if batch > max_batch_size:
@@ -49,8 +106,11 @@ class SpecDecoder:
     """The model runner's proposer: the configured method's (None: Predicted Outputs only), under the
     adaptive rule."""
 
-    def __init__(self, spec: SpeculativeConfig | None, proposer: Proposer | None) -> None:
-        self.spec, self.proposer = spec, proposer
+    def __init__(self, spec: SpeculativeConfig | None, proposer: Proposer | None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.spec, self.proposer, self.clock = spec, proposer, clock
+        self.gate = CostGate() if spec is not None and spec.adaptive else None
+        self.propose_s = 0.0  # how long the last propose() took
         self.k = spec.num_speculative_tokens if spec is not None else 0
         self.needs_hidden_states = bool(getattr(proposer, "needs_hidden_states", False))
         self.acceptance: dict[str, _Acceptance] = {}
@@ -80,8 +140,18 @@ class SpecDecoder:
             done(req_ids)
 
     def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+        start = self.clock()
+        try:
+            return self._propose(batch)
+        finally:
+            self.propose_s = self.clock() - start
+
+    def _propose(self, batch: ProposalInput) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         own: list[int] = []  # the requests the method drafts for
+        if self.gate is not None and batch.step_s is not None:
+            verified = any(self.proposed.get(rid) for rid in batch.req_ids)
+            self.gate.observe(len(batch.req_ids), sum(batch.num_new_tokens), batch.step_s + self.propose_s, verified)
         for i, rid in enumerate(batch.req_ids):
             self._observe(rid, batch.num_new_tokens[i])
             params = batch.sampling_params[i] if batch.sampling_params is not None else None
@@ -96,6 +166,8 @@ class SpecDecoder:
         if self.proposer is None or not own or self.spec is None:
             return out
         batch.max_drafts = [0] * len(batch.req_ids)
+        if self.gate is not None and not self.gate.pays(len(batch.req_ids)):
+            return out
         for i in own:
             rid = batch.req_ids[i]
             acc = self.acceptance.setdefault(rid, _Acceptance())

@@ -6,7 +6,13 @@ prefills the prompt; later ones feed what the target took since), then runs k - 
 steps, all requests batched. The draft's cache holds its own drafts too: the next call keeps only the
 longest prefix that the request's tokens still share (the rejected drafts' slots are rolled back and
 rewritten). Greedy requests take the draft's argmax; the others sample the draft's temperature-scaled
-distribution q, which the proposer keeps (`draft_probs`) for the sampler's min(1, p/q) rule."""
+distribution q, which the proposer keeps (`draft_probs`) for the sampler's min(1, p/q) rule.
+
+Where the draft model takes the fused decode path (worker/fused_decode.py, built by
+ProposerContext.fused_decode: bf16, packed weights, the C++ CPU backend), a call whose feeds are all
+short runs as decode rows (each fed token a query of its own over its request's blocks up to it) in one
+C++ call, to the argmax tokens where every request is greedy; the prompt's first feed, and every call
+without the fused path, runs the model's layer path."""
 
 from __future__ import annotations
 
@@ -26,6 +32,10 @@ from tokenmill.layers.linear import UnquantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import ProposalInput, ProposerContext
+
+# the longest feed a fused call takes (a feed is a request's tokens since its last call: one, or the
+# accepted drafts and one more); a longer one (the prompt) runs the layer path
+FUSED_FEED_MAX = 32
 
 
 @dataclass
@@ -59,8 +69,12 @@ class DraftBlocks:
 
 class DraftModelProposer:
     def __init__(self, k: int, model: Any, backend: AttentionBackend, kv_config: KVCacheConfig,
-                 device: torch.device, max_len: int) -> None:
+                 device: torch.device, max_len: int, fused: Any = None) -> None:
         self.k, self.model, self.backend, self.device, self.max_len = k, model, backend, device, max_len
+        self.fused = fused  # the draft's fused decode path, or None: every call through the layer path
+        # True: the calls the fused path would take run the layer loop over the same decode rows (the
+        # reference the tests compare the fused path with)
+        self.rows_reference = False
         self.block_size = kv_config.block_size
         self.blocks = DraftBlocks(kv_config.num_blocks, kv_config.block_size)
         self.states: dict[str, _DraftSeq] = {}
@@ -85,7 +99,8 @@ class DraftModelProposer:
             for i, name in enumerate(group.layer_names):
                 layers[name].bind(tensor[i], backend)
         return cls(spec.num_speculative_tokens, model, backend, kv_config, ctx.device,
-                   min(arch.max_position_embeddings, cfg.model.max_model_len))
+                   min(arch.max_position_embeddings, cfg.model.max_model_len),
+                   ctx.fused_decode(model, ctx.ops, backend) if ctx.fused_decode is not None else None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,11 +142,15 @@ class DraftModelProposer:
         for _ in range(max((k for _, _, k, _ in active), default=0)):
             if not active:
                 break
-            logits = self._forward([st for _, st, _, _ in active], feeds)
+            greedy = all(params is None or params.greedy for *_, params in active)
+            out = self._forward([st for _, st, _, _ in active], feeds, greedy)
             nxt: list[tuple[str, _DraftSeq, int, SamplingParams | None]] = []
             feeds = []
             for row, (rid, st, k, params) in enumerate(active):
-                tok = self._choose(logits[row], params, st.generator, probs.setdefault(rid, []))
+                if out.dtype == torch.long:  # the rows' argmax tokens
+                    tok = int(out[row])
+                else:
+                    tok = self._choose(out[row], params, st.generator, probs.setdefault(rid, []))
                 drafts[rid].append(tok)
                 if len(drafts[rid]) < k:
                     nxt.append((rid, st, k, params))
@@ -142,8 +161,11 @@ class DraftModelProposer:
                 self.draft_probs[rid] = torch.stack(rows)
         return {rid: d for rid, d in drafts.items() if d}
 
-    def _forward(self, states: list[_DraftSeq], feeds: list[list[int]]) -> torch.Tensor:
-        """Feed each state its tokens (appended to its seq); each one's last row's logits, in order."""
+    def _forward(self, states: list[_DraftSeq], feeds: list[list[int]], greedy: bool) -> torch.Tensor:
+        """Feed each state its tokens (appended to its seq); each one's last row's logits, in order, or
+        (greedy, where the fused path gives them) its last row's argmax token (int64)."""
+        if self.fused is not None and max(map(len, feeds)) <= FUSED_FEED_MAX:
+            return self._forward_fused(states, feeds, greedy, self.fused)
         order = sorted(range(len(states)), key=lambda j: len(feeds[j]) != 1)  # decodes first
         ids: list[int] = []
         pos: list[int] = []
@@ -172,6 +194,40 @@ class DraftModelProposer:
         out = torch.empty_like(logits)
         out[torch.tensor(order, device=dev)] = logits
         return out
+
+    def _forward_fused(self, states: list[_DraftSeq], feeds: list[list[int]], greedy: bool,
+                       fused: Any) -> torch.Tensor:
+        """_forward with every fed token a decode row, in one fused call."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        last: list[int] = []
+        bs = self.block_size
+        for st, feed in zip(states, feeds, strict=True):
+            for p, tok in enumerate(feed, len(st.seq)):
+                ids.append(tok)
+                pos.append(p)
+                slots.append(st.blocks[p // bs] * bs + p % bs)
+                lens.append(p + 1)
+                tables.append(st.blocks)
+            st.seq.extend(feed)
+            last.append(len(ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                                 query_start_loc=list(range(len(ids) + 1)), seq_lens=lens, block_tables=tables,
+                                 num_decodes=len(ids), block_size=bs)
+        self.backend.prepare(meta, dev)
+        input_ids, positions = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+        pick = last if len(last) < len(ids) else None
+        if self.rows_reference:
+            hidden = self.model(input_ids, positions, meta)
+            return self.model.compute_logits(hidden if pick is None else hidden[pick])
+        if greedy and (tokens := fused.greedy(input_ids, positions, meta)) is not None:
+            return tokens if pick is None else tokens[pick]
+        hidden = fused.forward(input_ids, positions, meta)
+        return self.model.compute_logits(hidden if pick is None else hidden[pick])
 
     @staticmethod
     def _choose(logits: torch.Tensor, params: SamplingParams | None, gen: torch.Generator | None,

@@ -10,6 +10,12 @@ model), stored once in the heads' checkpoint so the proposer needs nothing of th
 time. The proposal for a request is the chain of the heads' argmaxes, verified by the runner as any
 other drafts (rejection_sampler.py).
 
+Where the target's hidden states are bf16 on the CPU and tokenmill's C++ kernels are loaded, the heads
+(one residual block each) run packed (`PackedHeads`): the k heads' blocks read the same h_t, so their
+weights are stacked into one packed [k * hidden, hidden] layer, and the lm_head takes the k rows in one
+packed call: two GEMV calls and an argmax a step, against the module's per-head calls (the reference
+the tests compare with).
+
 The checkpoint is a directory in Hugging Face layout: ``config.json`` (``model_type`` "medusa",
 ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers`` residual blocks per head) and
 ``model.safetensors`` with ``heads.{i}.{j}.weight`` / ``heads.{i}.{j}.bias`` (head i's block j) and
@@ -127,17 +133,57 @@ def load_medusa_heads(path: str | Path) -> MedusaHeads:
     return heads.eval()
 
 
+class PackedHeads:
+    """The first k heads of one residual block each, as two packed bf16 layers: the blocks' stacked
+    [k * hidden, hidden] weights (every head's block reads the same hidden state) and the lm_head."""
+
+    def __init__(self, heads: MedusaHeads, k: int, ops: Any) -> None:
+        from tokenmill.layers.linear import UnquantizedLinearMethod, packed_linear
+
+        method = UnquantizedLinearMethod(ops)  # packed, with the GEMV where its probe passes
+        blocks: list[nn.Linear] = [head[0].linear for head in list(heads.heads)[:k]]  # type: ignore[index]
+        weight = torch.cat([b.weight.detach() for b in blocks]).to(torch.bfloat16)
+        bias = torch.cat([b.bias.detach() for b in blocks]).to(torch.bfloat16)
+        self.blocks = packed_linear(weight, bias, method=method)
+        self.lm_head = packed_linear(heads.lm_head.weight.detach().to(torch.bfloat16), None, method=method)
+        self.k, self.hidden_size, self.ops = k, heads.config.hidden_size, ops
+
+    @classmethod
+    def create(cls, heads: MedusaHeads, k: int, ops: Any) -> PackedHeads | None:
+        """The packed heads, or None where they do not apply (no kernels, no packing, deeper heads)."""
+        from tokenmill.layers.linear import packing_available
+
+        if ops is None or not packing_available() or heads.config.num_hidden_layers != 1:
+            return None
+        return cls(heads, k, ops)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[k, rows, vocab] bf16 logits of the k heads, as MedusaHeads.forward(hidden, k) computes them."""
+        rows = hidden.shape[0]
+        z = torch.nn.functional.silu(self.blocks(hidden).view(rows, self.k, self.hidden_size)).add_(hidden[:, None])
+        return self.lm_head(z.transpose(0, 1).reshape(self.k * rows, self.hidden_size)).view(self.k, rows, -1)
+
+    def drafts(self, hidden: torch.Tensor) -> list[list[int]]:
+        """Each row's chain of the k heads' argmaxes [rows][k]."""
+        logits = self.logits(hidden)
+        ids: list[int] = self.ops.argmax_rows(logits.view(-1, logits.shape[-1])).tolist()
+        rows = hidden.shape[0]
+        return [ids[i::rows] for i in range(rows)]
+
+
 class MedusaProposer:
     """Drafts the chain of the first k heads' argmaxes from each request's newest hidden state."""
 
     needs_hidden_states = True
 
-    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int) -> None:
+    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int, ops: Any = None) -> None:
         if not 1 <= num_speculative_tokens <= heads.config.num_heads:
             raise ValueError(f"num_speculative_tokens is {num_speculative_tokens}; these medusa heads "
                              f"propose 1 to {heads.config.num_heads} tokens")
         self.heads = heads.requires_grad_(False)
         self.k = num_speculative_tokens
+        # the packed path for bf16 hidden states on the CPU (None: the module for every step)
+        self.packed = PackedHeads.create(self.heads, self.k, ops)
 
     @torch.inference_mode()
     def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
@@ -154,6 +200,9 @@ class MedusaProposer:
             return {}
         if len(rows) < len(limits):
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        if self.packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+            chains = self.packed.drafts(hidden.contiguous())
+            return {batch.req_ids[i]: d[:limits[i]] for i, d in zip(rows, chains, strict=True)}
         weight = self.heads.lm_head.weight
         if weight.dtype != hidden.dtype or weight.device != hidden.device:
             self.heads.to(device=hidden.device, dtype=hidden.dtype)
@@ -162,10 +211,10 @@ class MedusaProposer:
         return {batch.req_ids[i]: d[:limits[i]] for i, d in zip(rows, drafts, strict=True)}
 
 
-def load_medusa_proposer(spec_config: Any, target_model_config: Any) -> MedusaProposer:
+def load_medusa_proposer(spec_config: Any, target_model_config: Any, ops: Any = None) -> MedusaProposer:
     """The proposer for ``spec_config`` (``.model``: the heads' directory, ``.num_speculative_tokens``),
     checked against the target's model config (its ``hidden_size`` and ``vocab_size``: the HF config or
-    tokenmill's ArchConfig)."""
+    tokenmill's ArchConfig); ops: tokenmill's C++ CPU kernels, for the packed path."""
     path = getattr(spec_config, "model", None)
     if not path:
         raise ValueError("speculative_config: method 'medusa' needs 'model', the directory of the medusa heads")
@@ -176,4 +225,4 @@ def load_medusa_proposer(spec_config: Any, target_model_config: Any) -> MedusaPr
         if getattr(cfg, name) != target:
             raise ValueError(f"medusa heads at {path} have {name} {getattr(cfg, name)}, the target model's is "
                              f"{target}: train heads for this target (tools/train_medusa.py)")
-    return MedusaProposer(heads, int(spec_config.num_speculative_tokens))
+    return MedusaProposer(heads, int(spec_config.num_speculative_tokens), ops)

@@ -4,6 +4,7 @@ ModelRunnerOutput.spec_token_ids and are verified the step after (rejection_samp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,9 @@ class ProposalInput:
     target_token_ids: list[list[int]] | None = None
     # the most drafts each request may get this step (the adaptive rule's choice; 0: none); None: k each
     max_drafts: list[int] | None = None
+    # the step's own seconds (model and sampling, before proposing) where it ran decodes and verification
+    # runs only; None: not measured (prefill rows), or not timed
+    step_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,9 @@ class ProposerContext:
     engine_config: Any  # config.EngineConfig
     device: Any  # torch.device of the target
     ops: Any  # tokenmill's C++ CPU kernels, or None
+    # (model, ops, backend) -> that model's fused decode path or None (worker.fused_decode.FusedDecode.create),
+    # for a proposer that runs a model of its own; None: no fused path
+    fused_decode: Callable[[Any, Any, Any], Any] | None = None
 
 
 class Proposer(Protocol):

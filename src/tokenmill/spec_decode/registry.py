@@ -39,7 +39,7 @@ def _medusa(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
             raise
         raise ValueError("speculative_config: method 'medusa' is not available in this build "
                          "(tokenmill.spec_decode.medusa is missing)") from None
-    proposer: Proposer = medusa.load_medusa_proposer(spec, ctx.engine_config.model.arch)
+    proposer: Proposer = medusa.load_medusa_proposer(spec, ctx.engine_config.model.arch, ctx.ops)
     return proposer
 
 

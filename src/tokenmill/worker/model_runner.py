@@ -6,12 +6,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, OutputRows, output_rows, to_device
+from tokenmill.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    OutputRows,
+    as_decode_rows,
+    output_rows,
+    to_device,
+)
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -36,6 +44,7 @@ class PreparedStep:
     sampling: SamplingMetadata | None  # the sampled rows' parameters; None: the step samples nothing
     failed: dict[str, str] = field(default_factory=dict)  # scheduled requests left out: their errors
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step runs
+    propose: bool = True  # whether the proposer drafts after this step (SchedulerOutput.propose_drafts)
 
 
 class ModelRunner:
@@ -67,12 +76,15 @@ class ModelRunner:
         # only the sampled rows through the last layer's attention output and MLP (OutputRows);
         # False runs every row through it, the reference path the tests compare with
         self.output_rows_only = True
+        # a step of decodes and verification runs (a request's last token and its drafts, every row
+        # sampled) described as decode rows (as_decode_rows), so that the fused decode call takes it:
+        # None where the fused path exists; True always (the layer loop over the decode rows, the
+        # reference the tests compare the fused path with), False never (verification runs as prefill)
+        self.verify_as_decode_rows: bool | None = None
 
     def set_proposer(self, proposer: Proposer | None) -> None:
-        # a request's drafts follow the tokens the step before took, so that step's output must be in
-        # before the next step is scheduled: async scheduling schedules it first
-        if proposer is not None and self.config.scheduler.async_scheduling:
-            raise ValueError("speculative decoding needs async_scheduling off")
+        # a request's drafts follow the tokens the step before took: the engine asks for them
+        # (SchedulerOutput.propose_drafts) only where that step's output is in before the next is scheduled
         self.proposer = proposer
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -92,7 +104,8 @@ class ModelRunner:
         if failed:
             so = _without(so, failed)
         if so.total_num_scheduled_tokens == 0:
-            return PreparedStep(None, None, None, None, failed, so.blocks_to_copy) if failed else None
+            return PreparedStep(None, None, None, None, failed, so.blocks_to_copy,
+                                so.propose_drafts) if failed else None
         step = build_step(self.states, so, self.block_size)
         sampling = None
         if step.sample_states:  # gathered here: the next step's prepare may change the table while this runs
@@ -103,13 +116,17 @@ class ModelRunner:
             slot_mapping=to_device(torch.from_numpy(step.slot_mapping), self.device),
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
             num_decodes=step.num_decodes, block_size=self.block_size)
+        as_rows = self.verify_as_decode_rows
+        if (step.sample_drafts and (as_rows or (as_rows is None and self.fused_decode is not None))
+                and not step.prompt_lp_rows and len(step.logits_indices) == len(step.input_ids)):
+            meta = as_decode_rows(meta)  # every row is sampled: decodes and verification runs only
         self.backend.prepare(meta, self.device)
         rows = None
         if self.output_rows_only and not step.prompt_lp_rows and len(step.logits_indices) < len(step.input_ids):
             # only the sampled rows need the last layer's output (prompt logprobs need every row's)
             rows = output_rows(meta, step.logits_indices, step.logits_seqs)
             self.backend.prepare(rows.meta, self.device)
-        return PreparedStep(step, meta, rows, sampling, failed, so.blocks_to_copy)
+        return PreparedStep(step, meta, rows, sampling, failed, so.blocks_to_copy, so.propose_drafts)
 
     def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
         """Run a prepared step; steps must execute in the order they were prepared."""
@@ -122,52 +139,57 @@ class ModelRunner:
                 copy_blocks(self.kv_caches, prepared.blocks_to_copy)
             if prepared.step is None or prepared.meta is None:
                 return ModelRunnerOutput([], [], failed=prepared.failed)
-            out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling)
-            if self.proposer is not None and prepared.step.sample_states and getattr(self.proposer, "active", True):
-                out.spec_token_ids = self._propose(prepared.step, out)
+            propose = (self.proposer is not None and prepared.propose and bool(prepared.step.sample_states)
+                       and getattr(self.proposer, "active", True))
+            start = time.perf_counter()
+            out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling, propose)
+            if propose:
+                step = prepared.step  # measured where it ran decodes and verification runs only
+                step_s = time.perf_counter() - start if len(step.logits_indices) == len(step.input_ids) else None
+                out.spec_token_ids = self._propose(step, out, step_s)
             out.failed = prepared.failed
             return out
 
     @torch.inference_mode()
     def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None,
-                 sampling: SamplingMetadata | None) -> ModelRunnerOutput:
+                 sampling: SamplingMetadata | None, propose: bool) -> ModelRunnerOutput:
+        """The step's tokens; propose: the proposer drafts after it (a proposer that reads hidden states
+        gets the sampled rows')."""
         step.fill_pending_inputs()
         input_ids = to_device(torch.from_numpy(step.input_ids), self.device)
         positions = to_device(torch.from_numpy(step.positions), self.device)
         out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
-        states = step.sample_states
         greedy = sampling is not None and sampling.all_argmax  # (over the allowed tokens, with a bitmask)
+        keep_hidden = propose and getattr(self.proposer, "needs_hidden_states", False)
         fused, graphs = self.fused_decode, self.graphs
         if graphs is not None and rows is None and graphs.applies(meta, len(step.input_ids)):
             hidden = graphs.run(input_ids, positions, meta)
         elif fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
-            if (greedy and len(states) == len(step.input_ids) and not step.prompt_lp_rows
-                    and not getattr(self.proposer, "needs_hidden_states", False)):
-                assert sampling is not None
+            if (greedy and sampling is not None and len(step.logits_indices) == len(step.input_ids)
+                    and not step.prompt_lp_rows and not keep_hidden):
                 # bitmasks still being filled: the forward first, then the lm_head and argmax once they are in
                 ids = None
                 if sampling.bitmask_ready:
                     sampling.await_bitmask()
                     ids = fused.greedy(input_ids, positions, meta, sampling.bitmask)
-                if ids is not None:  # the whole step in one call, to its tokens
-                    self._record(step, out, SamplerOutput([[t] for t in ids.tolist()]))
+                if ids is not None:  # the whole step in one call, to each row's token
+                    self._record(step, out, self.sampler.from_argmax(ids.tolist(), sampling))
                     return out
             hidden = fused.forward(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta, rows)
         if sampling is not None:
-            self._sample(hidden, step, out, sampling)
+            self._sample(hidden, step, out, sampling, keep_hidden)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
             out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], st, pos0))
         return out
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput,
-                sampling: SamplingMetadata) -> None:
+                sampling: SamplingMetadata, keep_hidden: bool) -> None:
         if len(step.logits_indices) < hidden.shape[0]:  # the model gave every row's
             hidden = hidden.index_select(0, torch.tensor(step.logits_indices, device=self.device))
         logits = self.model.compute_logits(hidden)  # all rows (a pure-decode step): in order, as they are
-        if getattr(self.proposer, "needs_hidden_states", False):
-            self._hidden = hidden
+        self._hidden = hidden if keep_hidden else None
         sampling.await_bitmask()
         self._record(step, out, self.sampler(logits, sampling))  # (plain greedy rows: the C++ argmax alone)
 
@@ -184,14 +206,14 @@ class ModelRunner:
             if sampled.logprobs and (logprobs := sampled.logprobs[k]) is not None:
                 out.logprobs[st.req_id] = logprobs
 
-    def _propose(self, step: StepBatch, out: ModelRunnerOutput) -> dict[str, list[int]]:
+    def _propose(self, step: StepBatch, out: ModelRunnerOutput, step_s: float | None) -> dict[str, list[int]]:
         assert self.proposer is not None
         states = step.sample_states
         taken = [len(out.sampled_token_ids[p]) for p in step.sample_positions]
         batch = ProposalInput([st.req_id for st in states], [st.token_ids for st in states], taken,
                               sampling_params=[st.sampling_params for st in states],
                               target_token_ids=[step.verified.get(k, out.sampled_token_ids[p])
-                                                for k, p in enumerate(step.sample_positions)])
+                                                for k, p in enumerate(step.sample_positions)], step_s=step_s)
         if self._hidden is not None:  # the row whose logits gave each request's newest token
             rows, first = [], 0
             for k, n in enumerate(taken):

@@ -224,9 +224,15 @@ class Sampler:
             return host_list(logits.argmax(dim=-1))
         return None
 
+    @staticmethod
+    def from_argmax(ids: list[int], meta: SamplingMetadata) -> SamplerOutput:
+        """The output of rows that are all argmax (SamplingMetadata.all_argmax), from each row's argmax
+        token (over the tokens its bitmask allows, where it has one)."""
+        return _with_rows(SamplerOutput(meta.runs(ids)), ids, meta)
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if meta.all_argmax and (ids := self.argmax(logits, meta.bitmask)) is not None:
-            return _with_rows(SamplerOutput(meta.runs(ids)), ids, meta)
+            return self.from_argmax(ids, meta)
         logits = logits.to(torch.float32, copy=True)  # the sampler's own: processors and _choose work in place
         if meta.bitmask is not None:  # before anything else reads the logits
             apply_token_bitmask(logits, meta.bitmask)

@@ -24,6 +24,7 @@ from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.spec_decode.adaptive import SpecDecoder
 from tokenmill.spec_decode.proposer import ProposerContext
 from tokenmill.spec_decode.registry import create_proposer
+from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_specs
 from tokenmill.worker.memory import keep_freed_memory
 from tokenmill.worker.model_runner import ModelRunner, PreparedStep
@@ -95,7 +96,7 @@ class Worker:
             return
         proposer = None
         if spec is not None:
-            ctx = ProposerContext(self.config, self.device, self.ops)
+            ctx = ProposerContext(self.config, self.device, self.ops, FusedDecode.create)
             proposer = create_proposer(spec, ctx)
             logger.info("speculative decoding: %s, up to %d draft tokens a step", spec.method,
                         spec.num_speculative_tokens)

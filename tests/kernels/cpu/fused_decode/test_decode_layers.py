@@ -165,3 +165,52 @@ def test_decode_layers_is_off_where_it_does_not_apply(model_dirs: dict[str, str]
     llm = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", device="cpu",
               attention_backend="torch_ref")  # not the C++ attention backend's tables
     assert llm.engine.core.executor.runner.fused_decode is None
+
+
+class HalfRight:
+    """k drafts that follow a known sequence but for the last, which is off by one: every verification
+    accepts some and rejects one."""
+
+    def __init__(self, sequences: list[list[int]], k: int) -> None:
+        self.sequences, self.k = sequences, k
+
+    def propose(self, batch: Any) -> dict[str, list[int]]:
+        out = {}
+        for rid, tokens in zip(batch.req_ids, batch.token_ids, strict=True):
+            for seq in self.sequences:
+                if len(seq) > len(tokens) and seq[:len(tokens)] == tokens:
+                    drafts = seq[len(tokens):len(tokens) + self.k]
+                    out[rid] = drafts[:-1] + [(drafts[-1] + 1) % 500 + 2]
+                    break
+        return out
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3, 9])  # 9: past the GEMV's rows, oneDNN's packed linear
+@pytest.mark.parametrize("logprobs", [None, 2])  # None: plain greedy, ops.decode_greedy; else decode_layers
+def test_verification_as_decode_rows_matches_the_python_loop(model_dirs: dict[str, str], num_prompts: int,
+                                                             logprobs: int | None) -> None:
+    """A step of decodes and verification runs, as decode rows through the fused call, against the Python
+    layer loop over the same decode rows: bitwise the same tokens and logprobs, with drafts accepted and
+    rejected, through chunked prefill (requests join while others verify)."""
+    prompts = random_prompts(num_prompts, 3, 40, seed=num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
+    args = dict(dtype="bfloat16", kv_cache_memory="4MiB", device="cpu", block_size=8, async_scheduling=False,
+                max_num_batched_tokens=32)
+    plain = LLM(model_dirs["llama-gqa4-untied"], **args).generate(prompts, params, use_tqdm=False)
+    sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, plain, strict=True)]
+    outs, calls = [], []
+    for fused in (True, False):
+        llm = LLM(model_dirs["llama-gqa4-untied"], **args)
+        runner = llm.engine.core.executor.runner
+        counter = CountingOps(OPS, "decode_greedy" if logprobs is None else "decode_layers")
+        _use_fused(llm, counter, fused)
+        runner.verify_as_decode_rows = True  # the reference: the layer loop over the same rows
+        runner.set_proposer(HalfRight(sequences, 3))
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+        calls.append(counter.calls)
+        sched = llm.engine.core.scheduler
+        assert sched.spec.num_accepted_tokens > 0 and sched.spec.num_draft_tokens > sched.spec.num_accepted_tokens
+        assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+    assert calls[0] >= 5 and calls[1] == 0
+    assert outs[0] == outs[1]
