@@ -71,6 +71,7 @@ class DiskTier:
         self.num_dropped = 0  # blocks the writer could not keep up with or write
         self._rebuild_index()
         self._queue: queue.Queue[tuple[int, tuple[int, ...], bytes] | None] = queue.Queue(_WRITE_QUEUE)
+        self._closed = False
         self._thread = threading.Thread(target=self._write_loop, name="tokenmill-kv-disk", daemon=True)
         self._thread.start()
 
@@ -109,7 +110,7 @@ class DiskTier:
     def put(self, block_hash: int, token_ids: tuple[int, ...], payload: bytes) -> None:
         """Queue a block for the writer thread (a full queue drops it: a later miss recomputes it)."""
         with self._lock:
-            if block_hash in self._queued:
+            if block_hash in self._queued or self._closed:
                 return
             self._queued[block_hash] = (token_ids, payload)
         try:
@@ -148,7 +149,10 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        self.flush()
+        """Write what is queued and stop the writer; later blocks are not kept."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._thread.join()
 

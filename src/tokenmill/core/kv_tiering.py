@@ -89,11 +89,13 @@ class KVTiering:
 
     def swap_out(self, req: Request) -> bool:
         """Queue the read-out of a request being preempted (its blocks are freed after this); False where
-        swapping is off or the memory tier has no room: then it is recomputed."""
+        swapping is off, the memory tier has no room or the request wants prompt logprobs: then it is
+        recomputed."""
         n = min(req.num_computed_tokens, req.num_tokens)
         blocks = self.kv.req_blocks.get(req.request_id, [])[:-(-n // self.block_size)]
-        if not self.swap or n <= 0 or not blocks or not self.store.reserve_swap(req.request_id, len(blocks)):
-            return False
+        if (not self.swap or n <= 0 or not blocks or req.sampling_params.prompt_logprobs is not None
+                or not self.store.reserve_swap(req.request_id, len(blocks))):
+            return False  # (prompt logprobs are computed again with the prompt's KV)
         self._offloads += [OffloadBlock(b.block_id, request_id=req.request_id) for b in blocks]
         self._swapping_out[req.request_id] = n
         self.num_swapped_out += 1

@@ -177,7 +177,11 @@ class EngineCore:
         self.executor.shutdown()
         if isinstance(self.scheduler.structured_output, XGrammarBackend):
             self.scheduler.structured_output.shutdown()
-        if self.scheduler.tiers is not None:  # the disk tier's queued blocks are written first
+        self.close_kv_offload()
+
+    def close_kv_offload(self) -> None:
+        """Write the disk tier's queued blocks and stop its thread (a warm restart finds them)."""
+        if self.scheduler.tiers is not None:
             self.scheduler.tiers.store.close()
 
     def reset_prefix_cache(self) -> bool:
