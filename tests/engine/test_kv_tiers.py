@@ -166,6 +166,20 @@ def test_swap_preemption_resumes_exactly(llama_dir: str, async_scheduling: bool)
     assert tiers is not None and tiers.store.swap_reserved_bytes == 0
 
 
+def test_swap_without_room_recomputes(llama_dir: str) -> None:
+    prompts = random_prompts(9, 30, 60, seed=1)
+    max_tokens = [7, 30, 12, 25, 3, 18, 30, 9, 21]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    # a memory tier of 3 blocks (4 KiB each): a preempted request of 4 blocks or more does not fit
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=12, block_size=8, max_model_len=96,
+              preemption_mode="swap", kv_offload_memory=3 * 4096)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_expected(llama_dir, prompts, max_tokens)
+    s = stats(llm)
+    assert s.num_preemptions > s.num_swapped_out
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(kv_offload_memory="lots"), "kv_offload_memory 'lots'"),
     (dict(kv_offload_memory="0GiB"), "kv_offload_memory must be positive"),
