@@ -69,26 +69,31 @@ def want(llama_dir: str) -> list[list[int]]:
     return hf_expected(llama_dir, conversations(), [MAX_TOKENS] * 6)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa2-tied", "mistral-window", "gemma3-local-global", "deepseek-v2-mla"])
-def test_memory_tier_hits_equal_transformers(model_dirs: dict[str, str], name: str) -> None:
-    # windows, groups of layers with their own windows, a latent (MLA) cache: every group's bytes move
+@pytest.mark.parametrize("name, tier", [("llama-gqa2-tied", "memory"), ("mistral-window", "memory"),
+                                        ("gemma3-local-global", "disk"), ("deepseek-v2-mla", "disk")])
+def test_tier_hits_equal_transformers(model_dirs: dict[str, str], name: str, tier: str, tmp_path: Any) -> None:
+    # windows, groups of layers with their own windows, a latent (MLA) cache: every group's bytes move, and
+    # the disk tier's length check holds them to the cache's bytes per block
     model_dir = model_dirs[name]
-    llm = tiered(model_dir, kv_offload_memory="4MiB")
+    args: dict[str, Any] = (dict(kv_offload_memory="4MiB") if tier == "memory"
+                            else dict(kv_offload_disk=str(tmp_path), kv_offload_disk_size="16MiB"))
+    llm = tiered(model_dir, **args)
     assert run_one_by_one(llm, conversations()) == hf_expected(model_dir, conversations(), [MAX_TOKENS] * 6)
     s = stats(llm)
+    hits = {"memory": s.kv_offload_memory_hits, "disk": s.kv_offload_disk_hits}
     # the prompts share nothing but the prefixes: in the second round each 40-token prefix (5 blocks) is
-    # found whole, in the first tier where it kept a block and in the memory tier after that
-    assert s.prefix_cache_hits + s.kv_offload_memory_hits == 3 * 5 * BLOCK
-    assert s.kv_offload_memory_hits >= 3 * 3 * BLOCK
-    assert s.kv_offload_bytes_loaded > 0 and s.kv_offload_bytes_offloaded > 0 and s.kv_offload_disk_hits == 0
+    # found whole, in the first tier where it kept a block and in the second tier after that
+    assert s.prefix_cache_hits + hits[tier] == 3 * 5 * BLOCK
+    assert hits[tier] >= 3 * 3 * BLOCK and sum(hits.values()) == hits[tier]
+    assert s.kv_offload_bytes_loaded > 0 and s.kv_offload_bytes_offloaded > 0 and s.kv_offload_corrupt_blocks == 0
     assert_all_free(llm)
 
 
-def test_quantized_cache_blocks_move_with_their_scales(llama_dir: str) -> None:
+def test_quantized_cache_blocks_move_with_their_scales(llama_dir: str, tmp_path: Any) -> None:
     plain = tiered(llama_dir, kv_cache_dtype="int8")
-    with_tier = tiered(llama_dir, kv_cache_dtype="int8", kv_offload_memory="1MiB")
+    with_tier = tiered(llama_dir, kv_cache_dtype="int8", kv_offload_disk=str(tmp_path), kv_offload_disk_size="4MiB")
     assert run_one_by_one(with_tier, conversations()) == run_one_by_one(plain, conversations())
-    assert stats(with_tier).kv_offload_memory_hits >= 3 * 3 * BLOCK
+    assert stats(with_tier).kv_offload_disk_hits >= 3 * 3 * BLOCK
 
 
 def test_without_tiers_the_same_prompts_recompute(llama_dir: str, want: list[list[int]]) -> None:
