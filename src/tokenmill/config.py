@@ -64,6 +64,9 @@ class SchedulerConfig:
     max_model_len: int
     # schedule step N+1 while step N runs (the engine core keeps up to two steps in flight)
     async_scheduling: bool = False
+    # while requests of a higher priority class are in the engine, the most tokens of a step that the
+    # requests of lower classes (Batch API lines) get together, decode rows and prefill chunks alike
+    lower_class_step_tokens: int = 8
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,10 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, "the most sequences running at once")
     max_num_batched_tokens: int = _arg(2048, "the most tokens one step computes; longer prompts are prefilled "
                                              "in chunks")
+    batch_step_tokens: int = _arg(8, "while interactive requests are in the engine, the most tokens of a step "
+                                     "that Batch API lines get together (decode rows and prefill chunks alike), "
+                                     "so that they add little to the interactive requests' step time; with no "
+                                     "interactive request in the engine they get the whole step")
     device: str = _arg("auto", "auto, cpu or cuda; auto: cuda if torch sees a CUDA GPU")
     num_threads: int | None = _arg(None, "CPU compute threads (default: one per CPU this process may use; "
                                          "`tokenmill serve` leaves one of them to its API process)")
@@ -314,6 +321,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_model_len,
                 async_scheduling=async_scheduling,
+                lower_class_step_tokens=self.batch_step_tokens,
             ),
             device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels,
                                 enforce_eager=self.enforce_eager),
@@ -356,7 +364,7 @@ class EngineArgs:
         return self.max_model_len
 
     def _check_positive(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "batch_step_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:  # block_size None: the device's default
                 raise ValueError(f"{name} must be >= 1, got {value}")

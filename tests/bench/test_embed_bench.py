@@ -25,6 +25,10 @@ def test_embed_bench_both_modes(bert_dir: str, tmp_path: Path, capsys: pytest.Ca
     assert (r["bench"], r["mode"], r["prompts"], r["threads"], r["concurrency"]) == ("embed", "concurrent", 6, 1, 3)
     assert 6 * 8 <= r["prompt_tokens"] <= 6 * 40 and len(r["wall_s_runs"]) == len(r["st_wall_s_runs"]) == 2
     assert r["min_cosine_vs_st"] >= 0.9999 and r["speedup_vs_st"] > 0 and r["batches_per_run"] >= 1
+    assert r["st_dtype"] == "float32"
+    # both in bfloat16: the baseline's model cast to it, embeddings still close to each other
+    bf16 = run([*common, "--concurrency", "3", "--dtype", "bfloat16", "--st-dtype", "bfloat16"], capsys)
+    assert bf16["st_dtype"] == "bfloat16" and bf16["dtype"] == "bfloat16" and bf16["min_cosine_vs_st"] >= 0.99
     offline = run([*common, "--mode", "offline", "--no-baseline"], capsys)
     assert offline["mode"] == "offline" and "st_sentences_per_s" not in offline
     assert offline["prompt_tokens"] == r["prompt_tokens"]  # the same workload

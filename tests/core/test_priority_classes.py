@@ -4,6 +4,9 @@ under KV pressure, batches take turns, and vLLM's `priority` orders requests ins
 
 from __future__ import annotations
 
+import pytest
+
+from tokenmill.config import EngineArgs
 from tokenmill.core.request import PriorityClass, Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -123,3 +126,33 @@ def test_priority_orders_within_the_batch_class() -> None:
         sched.add_request(make(rid, [5, 6], arrival, priority=priority, cls=BATCH, group="A", max_tokens=2))
     drive(sched, runner)
     assert admitted_order(runner) == ["p1", "p2", "p3"]
+
+
+def test_batch_lines_get_their_share_of_a_step_while_interactive_requests_run() -> None:
+    # budget 64, lower classes' share 3: while i0 is in the engine the batch lines take at most 3 tokens a
+    # step together (and at least one, so they progress); once it is done they get the whole budget
+    sched = make_scheduler(lower_share=3)
+    runner = FakeRunner(4)
+    prompts = {"b0": [3] * 10, "b1": [4] * 9, "i0": [5] * 6}
+    sched.add_request(make("b0", prompts["b0"], 0.0, cls=BATCH, group="A", max_tokens=12))
+    sched.add_request(make("b1", prompts["b1"], 1.0, cls=BATCH, group="A", max_tokens=12))
+    sched.add_request(make("i0", prompts["i0"], 2.0, max_tokens=6))
+    results: dict[str, Result] = {}
+    shares = []
+    while "i0" in sched.requests:
+        so = step(sched, runner, results)
+        assert so.num_scheduled_tokens.get("i0") == (6 if not shares else 1)  # never held back
+        shares.append(so.num_scheduled_tokens.get("b0", 0) + so.num_scheduled_tokens.get("b1", 0))
+    assert all(1 <= s <= 3 for s in shares), shares
+    so = step(sched, runner, results)
+    assert so.num_scheduled_tokens.get("b0", 0) + so.num_scheduled_tokens.get("b1", 0) > 3
+    drive(sched, runner, results)
+    for rid, prompt in prompts.items():  # chunked as the share allows, the tokens are still exact
+        assert results[rid].token_ids == reference(prompt, 12 if rid[0] == "b" else 6, 64), rid
+    assert_all_free(sched)
+
+
+def test_batch_step_tokens_flag() -> None:
+    args = EngineArgs(model="unused", batch_step_tokens=0)
+    with pytest.raises(ValueError, match="batch_step_tokens must be >= 1"):
+        args._check_positive()

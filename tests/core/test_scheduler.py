@@ -165,8 +165,10 @@ class Result:
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_num_seqs: int = 8,
-                   max_model_len: int = 64, prefix_caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len),
+                   max_model_len: int = 64, prefix_caching: bool = True, lower_share: int | None = None) -> Scheduler:
+    # lower_share: the lower priority classes' tokens a step beside a higher class (default: the whole budget)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len,
+                                     lower_class_step_tokens=budget if lower_share is None else lower_share),
                      CacheConfig(block_size, 0, num_blocks, prefix_caching), num_blocks)
 
 

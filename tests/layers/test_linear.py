@@ -79,8 +79,9 @@ needs_gemv = pytest.mark.skipif(not (HAS_GEMV and gemv_layout_ok(OPS)),
 class CountingOps:
     """The C++ ops, counting packed_gemv calls: which path a layer took."""
 
-    def __init__(self, ops: Any) -> None:
+    def __init__(self, ops: Any, max_rows: int | None = None) -> None:
         self.ops, self.calls = ops, 0
+        self.max_rows = max_rows  # in place of the kernel's own packed_gemv_max_rows (to test its row paths)
 
     def has_packed_gemv(self) -> bool:
         return bool(self.ops.has_packed_gemv())
@@ -90,16 +91,18 @@ class CountingOps:
         return self.ops.packed_gemv(x, weight, bias)
 
     def packed_gemv_max_rows(self, in_features: int) -> int:
-        return int(self.ops.packed_gemv_max_rows(in_features))
+        return int(self.ops.packed_gemv_max_rows(in_features)) if self.max_rows is None else self.max_rows
 
 
-def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ...], bias: bool) -> int:
-    """Runs a GEMV-enabled packed layer against nn.Linear in float; returns how often it took the GEMV."""
+def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ...], bias: bool,
+                       max_rows: int | None = None) -> int:
+    """Runs a GEMV-enabled packed layer against nn.Linear in float; returns how often it took the GEMV
+    (max_rows: the rows it takes, in place of the kernel's own choice)."""
     torch.manual_seed(out_features + in_features)
     lin = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     x = torch.randn(*shape, in_features, dtype=torch.bfloat16)
     expected = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
-    ops = CountingOps(OPS)
+    ops = CountingOps(OPS, max_rows)
     packed = packed_linear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), ops)
     got = packed(x)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
@@ -113,17 +116,31 @@ def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ..
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 64, 301])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_reference(out_features: int, in_features: int, rows: int, bias: bool) -> None:
-    """1-4 rows take the GEMV's row loop, more take its tiles of 6 (full tiles and every tail size)."""
-    assert _gemv_vs_reference(out_features, in_features, (rows,), bias) == 1
+    """1-4 rows take the GEMV's row loop, more take its tiles of 6 (full tiles and every tail size); every
+    row count is given to the kernel, whatever it takes by itself on this CPU."""
+    assert _gemv_vs_reference(out_features, in_features, (rows,), bias, max_rows=2**40) == 1
 
 
 @needs_gemv
-@pytest.mark.parametrize("rows,gemv", [(1, True), (4, True), (5, False), (64, False)])
-def test_gemv_leaves_large_k_beyond_four_rows_to_onednn(rows: int, gemv: bool) -> None:
+@pytest.mark.parametrize("rows,gemv,gemv_amx", [(1, True, True), (2, True, True), (4, True, False),
+                                               (5, False, False), (64, False, False)])
+def test_gemv_leaves_large_k_beyond_four_rows_to_onednn(rows: int, gemv: bool, gemv_amx: bool) -> None:
     """K past 2048 (padded): the weight block no longer fits L2 beside the next one, so oneDNN takes
-    more than 4 rows."""
-    assert OPS.packed_gemv_max_rows(2080) == 4 and OPS.packed_gemv_max_rows(2048) > 2**40
+    more than 4 rows. Where oneDNN has AMX-BF16, it takes more than 2 rows at any K."""
+    if OPS.gemv_sees_amx_bf16():
+        assert OPS.packed_gemv_max_rows(2080) == OPS.packed_gemv_max_rows(64) == 2
+        gemv = gemv_amx
+    else:
+        assert OPS.packed_gemv_max_rows(2080) == 4 and OPS.packed_gemv_max_rows(2048) > 2**40
     assert _gemv_vs_reference(70, 2080, (rows,), bias=True) == int(gemv)
+
+
+@needs_gemv
+def test_gemv_sees_amx_as_the_cpu_reports_it() -> None:
+    """The kernel's AMX check agrees with the CPU flags Linux lists (amx_bf16) for this machine."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    assert OPS.gemv_sees_amx_bf16() == ("amx_bf16" in flags and "amx_tile" in flags)
 
 
 @needs_gemv
@@ -131,7 +148,7 @@ def test_gemv_leaves_large_k_beyond_four_rows_to_onednn(rows: int, gemv: bool) -
 @pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_model_shapes(out_features: int, rows: int, bias: bool) -> None:
-    assert _gemv_vs_reference(out_features, 768, (rows,), bias) == 1
+    assert _gemv_vs_reference(out_features, 768, (rows,), bias, max_rows=2**40) == 1
 
 
 @needs_gemv
@@ -143,7 +160,7 @@ def test_gemv_threads_split_the_blocks(threads: int, rows: int) -> None:
     torch.manual_seed(rows)
     lin = nn.Linear(160, 330).to(torch.bfloat16)
     x = torch.randn(rows, 160, dtype=torch.bfloat16)
-    packed = packed_linear(lin.weight.detach(), lin.bias.detach(), OPS)
+    packed = packed_linear(lin.weight.detach(), lin.bias.detach(), CountingOps(OPS, max_rows=2**40))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -167,7 +184,7 @@ def test_gemv_takes_no_rows() -> None:
 @needs_gemv
 @pytest.mark.parametrize("shape", [(1, 1), (2, 2), (4, 1), (2, 3), (5, 7)])
 def test_gemv_leading_dims(shape: tuple[int, ...]) -> None:
-    assert _gemv_vs_reference(200, 96, shape, bias=True) == 1
+    assert _gemv_vs_reference(200, 96, shape, bias=True, max_rows=2**40) == 1
 
 
 @pytest.mark.skipif(not HAS_GEMV, reason="no AVX512-BF16 packed GEMV")

@@ -6,8 +6,9 @@ words of the model's own vocabulary so that both engines tokenize them to about 
 timing includes its own tokenization). tokenmill runs them as `--concurrency` concurrent clients, each
 sending one text at a time through the server's dynamic batcher (`--mode concurrent`, what a serving
 workload does), or as one offline call (`--mode offline`, LLM.embed). sentence-transformers encodes the
-list with `--st-batch-size` (its own default, 32). The JSON has both rates, their ratio and the least
-cosine similarity between the two engines' embeddings."""
+list with `--st-batch-size` (its own default, 32) in `--st-dtype` (its own default, float32; bfloat16 casts its
+model, for a comparison at one dtype). The JSON has both rates, their ratio and the least cosine similarity
+between the two engines' embeddings."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=64, help="clients in --mode concurrent")
     p.add_argument("--embed-batch-wait-ms", type=float, default=2.0, help="the dynamic batcher's window")
     p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
+    p.add_argument("--st-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="sentence-transformers' model dtype (float32 is what it loads by default)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip sentence-transformers (it need not be installed then)")
     EngineArgs.add_cli_args(p)
@@ -141,12 +144,12 @@ def _baseline(args: argparse.Namespace, texts: list[str], got: Any, threads: int
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(threads)
-    st = SentenceTransformer(args.model, device="cpu")
+    st = SentenceTransformer(args.model, device="cpu").to(getattr(torch, args.st_dtype))
     st.encode(texts[:16], batch_size=args.st_batch_size)  # warm-up
     walls, want = _timed(lambda: st.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True),
                          args.runs)
     rate = len(texts) / statistics.median(walls)
     cosine = F.cosine_similarity(got.float(), want.float().cpu()).min()
     return {"st_sentences_per_s": round(rate, 2), "st_wall_s_runs": [round(w, 3) for w in walls],
-            "st_batch_size": args.st_batch_size, "speedup_vs_st": round(ours / rate, 3),
+            "st_batch_size": args.st_batch_size, "st_dtype": args.st_dtype, "speedup_vs_st": round(ours / rate, 3),
             "min_cosine_vs_st": round(float(cosine), 6)}

@@ -2,12 +2,14 @@
 token budget and a sequence cap; recompute preemption when the KV pool runs out (or swap preemption,
 with a second KV tier: core/kv_tiering.py, which also loads prefix blocks the first tier evicted).
 
-Priority classes (`Request.priority_class`): interactive requests come before batch ones in the
-waiting queue and in each step's budget; a waiting request of a higher class takes the seat and the
-blocks of a running request of a lower class (which is preempted), and under KV pressure the lowest
-class is preempted first. Within a class, vLLM's `priority` (lower first) orders requests, then
-requests of different groups (batches) take turns (start-time fair queuing over each group's count
-of requests), then arrival.
+Priority classes (`Request.priority_class`): interactive requests come before batch ones in the waiting
+queue and in each step's budget; a waiting request of a higher class takes the seat and the blocks of a
+running request of a lower class (which is preempted), and under KV pressure the lowest class is
+preempted first. While a higher class has requests in the engine, the lower classes together get at most
+`lower_class_step_tokens` of a step (decode rows and prefill chunks alike), so that their work adds
+little to the higher class's step time and still makes progress every step. Within a class, vLLM's
+`priority` (lower first) orders requests, then requests of different groups (batches) take turns (start-
+time fair queuing over each group's count of requests), then arrival.
 
 Speculative decoding: a request's draft tokens (proposed by the workers with the step before's
 output) are scheduled as extra inputs after its last token, and the workers return the drafts they
@@ -156,13 +158,19 @@ class Scheduler:
         sampling: list[Request] = []  # the requests whose tokens this step reaches the end of
         self._make_room_for_higher_classes()
         self.running.sort(key=lambda r: r.priority_class)  # stable: the budget goes to higher classes first
+        top = min((r.priority_class for r in (*self.running, *self.waiting)), default=0)
+        lower_left = self.config.lower_class_step_tokens  # the lower classes' share while `top` is present
+
+        def allowed(req: Request) -> int:
+            return budget if req.priority_class == top else min(budget, lower_left)
+
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.spec_token_ids:
-                n, drafts = self._with_drafts(req, budget)
+                n, drafts = self._with_drafts(req, allowed(req))
             else:
-                n, drafts = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
+                n, drafts = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, allowed(req),
                                 self.max_model_len - req.num_computed_tokens), None
             if n <= 0 or (req.num_output_placeholders and (self._ends_with_placeholders(req)
                                                           or self._waits_for_tokens(req))):
@@ -180,6 +188,8 @@ class Scheduler:
                 continue  # req itself was preempted; self.running shrank at index i
             num_scheduled[req.request_id] = n
             budget -= n
+            if req.priority_class != top:
+                lower_left -= n
             if drafts:
                 spec[req.request_id] = drafts
             if req.spec_token_ids:
@@ -193,11 +203,13 @@ class Scheduler:
             if next_req is None or next_req.num_output_placeholders:  # preempted with a step in flight: wait
                 break
             req = next_req
+            if allowed(req) <= 0:  # a lower class's share of the step is used (the rest of the queue is lower)
+                break
             if self.tiers is not None and self.tiers.waits_for_swap(req):  # its blocks' bytes are not in yet
                 break
             computed, loadable = self._computed(req)
             num_computed = req.num_computed_tokens + len(computed) * self.block_size + loadable
-            n = min(req.num_tokens - num_computed, budget)
+            n = min(req.num_tokens - num_computed, allowed(req))
             block_ids = self.kv.allocate_slots(req, loadable + n, computed)
             if block_ids is None:
                 if not self.running and self._drop_kept_blocks():  # nothing runs that could free any
@@ -205,7 +217,7 @@ class Scheduler:
                 break
             if loadable and self.tiers is not None:  # a disk block that fails its checks is computed
                 num_computed -= loadable - self.tiers.load(req, len(computed), loadable)
-                n = min(req.num_tokens - num_computed, budget)
+                n = min(req.num_tokens - num_computed, allowed(req))
             self.waiting.remove(req)
             self._fair_now = max(self._fair_now, req.fair_round)
             self.kv.record_prefix_lookup(req, len(computed))
@@ -216,6 +228,8 @@ class Scheduler:
             self.running.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
+            if req.priority_class != top:
+                lower_left -= n
             if req.request_id in self._seen_by_workers:
                 cached_reqs.append(self._cached_data(req, self.kv.block_ids(req.request_id)))
             else:
