@@ -26,6 +26,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
 DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ class CacheConfig:
     num_kv_blocks: int | None  # explicit pool size (tests, tuning); overrides kv_cache_bytes
     enable_prefix_caching: bool
     kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPE_CHOICES name (kv_cache_spec.kv_storage_dtype stores it)
+    # the second KV tier (core/kv_offload.py): host memory and a directory on disk, each 0 / None when off
+    kv_offload_memory_bytes: int = 0
+    kv_offload_disk: str | None = None
+    kv_offload_disk_bytes: int = 0
+    preemption_mode: str = "recompute"  # recompute | swap (into the memory tier)
 
 
 @dataclass(frozen=True)
@@ -175,13 +181,13 @@ def _num_params(arch: ArchConfig) -> int:
     return arch.num_layers * (attn + mlp) + embed
 
 
-def parse_memory(value: str | int | float) -> int | float:
+def parse_memory(value: str | int | float, name: str = "kv_cache_memory") -> int | float:
     """'4GiB' / '512MB' / 1073741824 -> bytes (int); '0.3' / 0.3 -> fraction of free RAM (float)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory {value!r} is not a size like '4GiB', '512MB', or a fraction like 0.3")
+        raise ValueError(f"{name} {value!r} is not a size like '4GiB', '512MB', or a fraction like 0.3")
     number, unit = float(m.group(1)), m.group(2).lower()
     if unit == "" and number <= 1:
         return number
@@ -215,6 +221,18 @@ class EngineArgs:
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), int8 (a scale per token and "
                                        "kv head) or fp8_e4m3 (fp8 is the same; also a scale per token and kv head)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompt prefixes computed before")
+    kv_offload_memory: str | int | float | None = _arg(
+        None, "a second KV tier in host memory, bytes ('2GiB') or a fraction of available memory: prefix blocks "
+              "evicted from the KV cache are kept there and loaded back on a hit instead of recomputed; "
+              "--preemption-mode swap keeps preempted requests' blocks there (default: off)")
+    kv_offload_disk: str | None = _arg(None, "a directory for a disk KV tier (needs --kv-offload-disk-size): "
+                                             "evicted prefix blocks are written there, checksummed, and found "
+                                             "again after a restart (default: off)")
+    kv_offload_disk_size: str | int | None = _arg(None, "the most bytes the disk KV tier holds ('20GiB'); its "
+                                                        "least recently used blocks are deleted past it")
+    preemption_mode: str = _arg("recompute", "what a request preempted under KV pressure keeps: recompute (its KV "
+                                             "is dropped and computed again) or swap (its blocks go to the "
+                                             "--kv-offload-memory tier and come back on resume)")
     max_num_seqs: int = _arg(256, "the most sequences running at once")
     max_num_batched_tokens: int = _arg(2048, "the most tokens one step computes; longer prompts are prefilled "
                                              "in chunks")
@@ -296,6 +314,7 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
+                **self._kv_offload(),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -366,6 +385,39 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be positive, got {value}")
         return value
 
+    def _kv_offload(self) -> dict[str, Any]:
+        """The second tier's fields of CacheConfig, checked."""
+        memory = 0
+        if self.kv_offload_memory is not None:
+            value = parse_memory(self.kv_offload_memory, "kv_offload_memory")
+            if isinstance(value, float):
+                if not 0 < value <= 1:
+                    raise ValueError(f"kv_offload_memory fraction must be in (0, 1], got {value}")
+                value = int(value * psutil.virtual_memory().available)
+            if value <= 0:
+                raise ValueError(f"kv_offload_memory must be positive, got {self.kv_offload_memory!r}")
+            memory = value
+        disk_bytes = 0
+        if (self.kv_offload_disk is None) != (self.kv_offload_disk_size is None):
+            raise ValueError("kv_offload_disk and kv_offload_disk_size go together: give both (a directory and "
+                             "a size like '20GiB') or neither")
+        if self.kv_offload_disk is not None and self.kv_offload_disk_size is not None:
+            size = parse_memory(self.kv_offload_disk_size, "kv_offload_disk_size")
+            if isinstance(size, float) or size <= 0:
+                raise ValueError(f"kv_offload_disk_size must be a positive size like '20GiB', got "
+                                 f"{self.kv_offload_disk_size!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_disk keeps prefix-cached blocks: it needs prefix caching on")
+            _check_writable_dir(self.kv_offload_disk)
+            disk_bytes = size
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not memory:
+            raise ValueError("preemption_mode swap keeps preempted requests' blocks in host memory: give "
+                             "kv_offload_memory (e.g. '2GiB') too")
+        return {"kv_offload_memory_bytes": memory, "kv_offload_disk": self.kv_offload_disk,
+                "kv_offload_disk_bytes": disk_bytes, "preemption_mode": self.preemption_mode}
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """One option per field but `model` (each subcommand takes it its own way), with the field's help."""
@@ -387,12 +439,23 @@ class EngineArgs:
                 parser.add_argument(flag, choices=DTYPES, default=default, help=doc)
             elif f.name == "kv_cache_dtype":
                 parser.add_argument(flag, choices=KV_CACHE_DTYPE_CHOICES, default=default, help=doc)
+            elif f.name == "preemption_mode":
+                parser.add_argument(flag, choices=PREEMPTION_MODES, default=default, help=doc)
             else:
                 parser.add_argument(flag, type=str, default=default, help=doc)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def _check_writable_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_offload_disk {path!r} cannot be made a directory: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_offload_disk {path!r} is not a directory this process can write")
 
 
 def _spec_dict(value: dict[str, Any] | str | None) -> dict[str, Any] | None:

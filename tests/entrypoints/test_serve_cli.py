@@ -61,3 +61,12 @@ def test_unknown_checkpoint_dtype_is_refused(unknown_dtype_dir: str) -> None:
     with pytest.raises(ValueError, match="'float8_e9m9'"):
         EngineArgs(unknown_dtype_dir).create_engine_config()
     assert EngineArgs(unknown_dtype_dir, dtype="float32").create_engine_config().model.dtype == "float32"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-offload-disk-size", "1GiB"], ["kv_offload_disk", "go together"]),
+    (["--preemption-mode", "swap"], ["preemption_mode swap", "kv_offload_memory"]),
+    (["--kv-offload-memory", "lots"], ["kv_offload_memory", "'lots'"]),
+])
+def test_bad_kv_tier_flags_are_refused(llama_dir: str, flags: list[str], words: list[str]) -> None:
+    assert_one_line_error(serve(llama_dir, "--port", str(free_port()), *flags), *words)

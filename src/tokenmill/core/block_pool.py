@@ -10,7 +10,7 @@ set of memory that has been written before is reused before memory the OS has ne
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVBlock:
@@ -37,6 +37,8 @@ class BlockPool:
         self._blank: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in reversed(self.blocks))
         self._cached: dict[int, KVBlock] = {}
         self.peak_used_blocks = 0  # the most blocks in use (ref > 0) at once, since start-up
+        # told of each cached block allocation evicts, before it forgets the block's hash (the second KV tier)
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +66,8 @@ class BlockPool:
                 _, block = self._blank.popitem(last=True)
             else:
                 _, block = self._free.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._uncache(block)
             block.ref_cnt = 1
             out.append(block)

@@ -79,6 +79,16 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     num_cached_free_blocks: int = 0  # free blocks that still hold prefix-cached KV (counted in num_free_blocks)
+    # the second KV tier, cumulative: prompt tokens whose KV was loaded from it instead of computed, by tier;
+    # bytes moved out (evicted prefix blocks, swapped requests) and in; disk blocks that failed their checks;
+    # requests swapped out and back in (--preemption-mode swap)
+    kv_offload_memory_hits: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_bytes_offloaded: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_corrupt_blocks: int = 0
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
     step: StepStats | None = None
 
 

@@ -35,6 +35,18 @@ class CachedRequestData:
 
 
 @dataclass
+class OffloadBlock:
+    """A first-tier block whose KV the workers read out (before the step writes anything) and return in
+    `ModelRunnerOutput.offloaded_kv`, for the second tier (core/kv_offload.py): a prefix block the pool
+    evicts, keyed by its chained hash and tokens, or a block of a request preempted by swapping."""
+
+    block_id: int
+    block_hash: int | None = None  # a prefix block's
+    token_ids: tuple[int, ...] = ()
+    request_id: str | None = None  # a swapped request's
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -53,10 +65,19 @@ class SchedulerOutput:
     # whether the workers may propose drafts after this step: False for a step scheduled while another
     # runs (async scheduling), whose drafts would not follow the tokens the step in flight takes
     propose_drafts: bool = True
+    # the second KV tier: blocks read out first (their bytes come back in ModelRunnerOutput.offloaded_kv, in
+    # order), then the copies above, then (block id, bytes) written into blocks, before the step's tokens
+    blocks_to_offload: list[OffloadBlock] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether the workers have blocks to read out or write in, even with no token to compute."""
+        return bool(self.blocks_to_offload or self.blocks_to_load)
 
 
 @dataclass
@@ -74,3 +95,5 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # per request whose preparation or sampling failed this step: the error (the request ends with it)
     failed: dict[str, str] = field(default_factory=dict)
+    # the KV bytes of SchedulerOutput.blocks_to_offload, in its order
+    offloaded_kv: list[bytes] = field(default_factory=list)

@@ -1,5 +1,6 @@
 """Iteration-level scheduler: each step one flat batch of decodes and prefill chunks under a
-token budget and a sequence cap; recompute preemption when the KV pool runs out.
+token budget and a sequence cap; recompute preemption when the KV pool runs out (or swap preemption,
+with a second KV tier: core/kv_tiering.py, which also loads prefix blocks the first tier evicted).
 
 Priority classes (`Request.priority_class`): interactive requests come before batch ones in the waiting
 queue and in each step's budget; a waiting request of a higher class takes the seat and the blocks of a
@@ -26,7 +27,10 @@ import bisect
 from collections.abc import Iterable
 
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.block_pool import KVBlock
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_offload import KVOffloadStore
+from tokenmill.core.kv_tiering import KVTiering
 from tokenmill.core.messages import EngineCoreOutput, SchedulerStats, SpecDecodeStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (
@@ -61,6 +65,7 @@ class Scheduler:
         self.held: dict[str, list[int]] = {}  # finished hold_kv requests -> the tokens their kept blocks hold
         self.num_scheduled_tokens = 0  # cumulative
         self.num_blocks_copied = 0  # copy-on-write copies, cumulative
+        self.tiers: KVTiering | None = None  # the second KV tier, where one is set
 
     def set_structured_output(self, manager: StructuredOutput) -> None:
         # a step's bitmasks follow the tokens taken before it: with async scheduling, a manager that does not
@@ -68,6 +73,11 @@ class Scheduler:
         # a step that samples for it is in flight (_waits_for_tokens)
         self.structured_output = manager
         self._structured = not isinstance(manager, NoStructuredOutput)
+
+    def set_kv_offload(self, store: KVOffloadStore, swap: bool) -> None:
+        """A second KV tier: evicted prefix blocks go to it and are loaded from it; with swap, so do the
+        blocks of preempted requests."""
+        self.tiers = KVTiering(self.kv, store, swap)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -195,14 +205,19 @@ class Scheduler:
             req = next_req
             if allowed(req) <= 0:  # a lower class's share of the step is used (the rest of the queue is lower)
                 break
-            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            num_computed = req.num_computed_tokens + len(computed) * self.block_size
+            if self.tiers is not None and self.tiers.waits_for_swap(req):  # its blocks' bytes are not in yet
+                break
+            computed, loadable = self._computed(req)
+            num_computed = req.num_computed_tokens + len(computed) * self.block_size + loadable
             n = min(req.num_tokens - num_computed, allowed(req))
-            block_ids = self.kv.allocate_slots(req, n, computed)
+            block_ids = self.kv.allocate_slots(req, loadable + n, computed)
             if block_ids is None:
                 if not self.running and self._drop_kept_blocks():  # nothing runs that could free any
                     continue
                 break
+            if loadable and self.tiers is not None:  # a disk block that fails its checks is computed
+                num_computed -= loadable - self.tiers.load(req, len(computed), loadable)
+                n = min(req.num_tokens - num_computed, allowed(req))
             self.waiting.remove(req)
             self._fair_now = max(self._fair_now, req.fair_round)
             self.kv.record_prefix_lookup(req, len(computed))
@@ -230,8 +245,21 @@ class Scheduler:
         copies = self.kv.take_copies()
         self.num_blocks_copied += len(copies)
         self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, self.config.max_num_batched_tokens - budget,
-                               finished, spec, bitmasks, copies)
+        so = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, self.config.max_num_batched_tokens - budget,
+                             finished, spec, bitmasks, copies)
+        if self.tiers is not None:
+            so.blocks_to_offload, so.blocks_to_load = self.tiers.take()
+        return so
+
+    def _computed(self, req: Request) -> tuple[list[KVBlock], int]:
+        """A request's first-tier prefix hits, and the tokens after them whose KV the second tier holds
+        (a swapped request's own blocks, or more prefix blocks)."""
+        if req.num_computed_tokens:  # forked from its kv_parent's blocks
+            return [], 0
+        swapped = self.tiers is not None and self.tiers.is_swapped(req)
+        computed = [] if swapped else self.kv.get_computed_blocks(req)
+        loadable = self.tiers.loadable_tokens(req, len(computed)) if self.tiers is not None else 0
+        return computed, loadable
 
     def _drop_kept_blocks(self) -> bool:
         """Release every held request's blocks and the forked blocks of waiting requests (which then
@@ -351,6 +379,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        if self.tiers is not None:
+            self.tiers.swap_out(req)  # its blocks are read out before the step that reuses them runs
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -363,6 +393,8 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if self.tiers is not None:
+            self.tiers.absorb(sched, out)
         outputs: list[EngineCoreOutput] = self.fail_requests(out.failed) if out.failed else []
         if self._ended:
             outputs, self._ended = self._ended + outputs, []
@@ -442,6 +474,8 @@ class Scheduler:
             self.held[req.request_id] = req.all_token_ids[:min(req.num_computed_tokens, req.num_tokens)]
         else:
             self.kv.free(req.request_id)
+        if self.tiers is not None:
+            self.tiers.forget(req.request_id)
         if self._structured:
             self.structured_output.free(req.request_id)
         del self.requests[req.request_id]
@@ -451,7 +485,7 @@ class Scheduler:
             self._finished_ids.add(req.request_id)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage(),
@@ -470,3 +504,11 @@ class Scheduler:
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos),
         )
+        if self.tiers is not None:
+            self.tiers.count_into(stats)
+        return stats
+
+    def step_dropped(self, so: SchedulerOutput) -> None:
+        """A step that failed returns no KV bytes: the requests it swapped out are recomputed instead."""
+        if self.tiers is not None:
+            self.tiers.drop(so)

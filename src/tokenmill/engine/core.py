@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_offload import kv_offload_store
 from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -32,7 +33,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.executor: Executor = executor if executor is not None else UniProcExecutor(config)
-        num_blocks = self.executor.initialize_kv_cache().num_blocks
+        kv_config = self.executor.initialize_kv_cache()
+        num_blocks = kv_config.num_blocks
         capacity = num_blocks * config.cache.block_size
         if capacity < config.model.max_model_len:
             raise ValueError(
@@ -40,6 +42,9 @@ class EngineCore:
                 f"({config.model.max_model_len}): raise kv_cache_memory or lower max_model_len"
             )
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        store = kv_offload_store(config, kv_config.bytes_per_block)
+        if store is not None:
+            self.scheduler.set_kv_offload(store, config.cache.preemption_mode == "swap")
         # grammars for the requests with structured_outputs; xgrammar and the tokenizer load on the first
         self.scheduler.set_structured_output(XGrammarBackend(
             functools.partial(load_tokenizer, config.model.tokenizer), config.model.arch.vocab_size))
@@ -127,6 +132,7 @@ class EngineCore:
         """A step that raised ends the requests it scheduled, with the error, and the engine goes on
         with the rest; MAX_FAILED_STEPS failures in a row mean the engine itself is broken."""
         self._failed_steps += 1
+        self.scheduler.step_dropped(so)
         if self._meter is not None:
             self._meter.dropped(so)
         logger.error("engine step failed (%d in a row); ending its %d requests", self._failed_steps,
@@ -171,6 +177,12 @@ class EngineCore:
         self.executor.shutdown()
         if isinstance(self.scheduler.structured_output, XGrammarBackend):
             self.scheduler.structured_output.shutdown()
+        self.close_kv_offload()
+
+    def close_kv_offload(self) -> None:
+        """Write the disk tier's queued blocks and stop its thread (a warm restart finds them)."""
+        if self.scheduler.tiers is not None:
+            self.scheduler.tiers.store.close()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

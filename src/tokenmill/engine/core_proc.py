@@ -88,6 +88,7 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
         inp.close(linger=0)
         out.close()
         ctx.term()
+        core.close_kv_offload()
     fast_exit(code)
 
 

@@ -94,6 +94,15 @@ class EngineMetrics:
         self.spec_mean_length = Gauge("tokenmill:spec_decode_mean_accepted_length", "Tokens a verification "
                                       "takes on average (accepted drafts and one more), since start-up.", lab,
                                       registry=reg)
+        self.tier_hits = Counter("tokenmill:kv_offload_hits", "Prompt tokens whose KV was loaded from the second "
+                                 "KV tier instead of computed, by tier.", ["model_name", "tier"], registry=reg)
+        self.tier_bytes = Counter("tokenmill:kv_offload_bytes", "Bytes of KV moved between the KV cache and its "
+                                  "second tier (out: evicted prefix blocks, swapped requests; in: loaded).",
+                                  ["model_name", "direction"], registry=reg)
+        self.tier_corrupt = Counter("tokenmill:kv_offload_corrupt_blocks", "Disk-tier blocks that failed their "
+                                    "checks (recomputed, deleted).", lab, registry=reg)
+        self.swaps = Counter("tokenmill:num_swapped", "Preempted requests swapped out of the KV cache and back "
+                             "in (--preemption-mode swap).", ["model_name", "direction"], registry=reg)
         self._requests: dict[str, _RequestTimes] = {}
         self._last_stats = SchedulerStats()
         self.tracer: RequestTracer | None = None  # set by --otlp-traces-endpoint
@@ -178,7 +187,22 @@ class EngineMetrics:
         self.preemptions.labels(m).inc(max(0, stats.num_preemptions - last.num_preemptions))
         if stats.spec_num_drafts:
             self._spec_stats(stats, last)
+        if stats.kv_offload_bytes_offloaded or stats.kv_offload_bytes_loaded or stats.kv_offload_corrupt_blocks:
+            self._tier_stats(stats, last)
         self._last_stats = stats
+
+    def _tier_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
+        m = self.model_name
+        for counter, label, now, before in (
+            (self.tier_hits, "memory", stats.kv_offload_memory_hits, last.kv_offload_memory_hits),
+            (self.tier_hits, "disk", stats.kv_offload_disk_hits, last.kv_offload_disk_hits),
+            (self.tier_bytes, "out", stats.kv_offload_bytes_offloaded, last.kv_offload_bytes_offloaded),
+            (self.tier_bytes, "in", stats.kv_offload_bytes_loaded, last.kv_offload_bytes_loaded),
+            (self.swaps, "out", stats.num_swapped_out, last.num_swapped_out),
+            (self.swaps, "in", stats.num_swapped_in, last.num_swapped_in),
+        ):
+            counter.labels(m, label).inc(max(0, now - before))
+        self.tier_corrupt.labels(m).inc(max(0, stats.kv_offload_corrupt_blocks - last.kv_offload_corrupt_blocks))
 
     def _spec_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         m = self.model_name

@@ -71,6 +71,31 @@ def copy_blocks(caches: KVCacheTensors, pairs: list[tuple[int, int]]) -> None:
             tensor.select(dim, dst).copy_(tensor.select(dim, src))
 
 
+def read_blocks(caches: KVCacheTensors, block_ids: list[int]) -> list[bytes]:
+    """Each block's KV as bytes, for the second tier: every group's slice of it (every layer's K and V or
+    latents, and a quantized group's scales) in the order of `groups`."""
+    out = []
+    for block_id in block_ids:
+        parts = [tensor.select(dim, block_id).contiguous().view(torch.uint8).reshape(-1).cpu().numpy().tobytes()
+                 for tensor, dim in caches.groups]
+        out.append(b"".join(parts))
+    return out
+
+
+def write_blocks(caches: KVCacheTensors, loads: list[tuple[int, bytes]]) -> None:
+    """Write bytes read_blocks made back into blocks (of the same layout): each (block id, bytes)."""
+    for block_id, payload in loads:
+        offset = 0
+        for tensor, dim in caches.groups:
+            dst = tensor.select(dim, block_id)
+            nbytes = dst.numel() * dst.element_size()
+            src = torch.frombuffer(bytearray(payload[offset:offset + nbytes]), dtype=torch.uint8)
+            dst.copy_(src.view(dst.dtype).view(dst.shape))
+            offset += nbytes
+        if offset != len(payload):
+            raise ValueError(f"a KV block of {len(payload)} bytes does not fit this cache's {offset}-byte blocks")
+
+
 def bind_kv_caches(model: nn.Module, caches: KVCacheTensors, backend: AttentionBackend) -> None:
     layers = attention_layers(model)
     if set(layers) != set(caches.by_layer):

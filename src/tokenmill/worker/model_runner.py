@@ -28,7 +28,7 @@ from tokenmill.spec_decode.proposer import ProposalInput, Proposer
 from tokenmill.worker.cuda_graphs import DecodeGraphs, graphable
 from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
-from tokenmill.worker.kv_cache import KVCacheTensors, copy_blocks
+from tokenmill.worker.kv_cache import KVCacheTensors, copy_blocks, read_blocks, write_blocks
 from tokenmill.worker.memory import BackgroundPopulate
 from tokenmill.worker.sampler import Sampler, SamplerOutput, topn_logprobs
 from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingTable
@@ -45,6 +45,8 @@ class PreparedStep:
     failed: dict[str, str] = field(default_factory=dict)  # scheduled requests left out: their errors
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step runs
     propose: bool = True  # whether the proposer drafts after this step (SchedulerOutput.propose_drafts)
+    blocks_to_offload: list[int] = field(default_factory=list)  # read out first (the second KV tier)
+    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)  # written in after the copies
 
 
 class ModelRunner:
@@ -103,9 +105,10 @@ class ModelRunner:
         failed = {rid: self.failed[rid] for rid in so.num_scheduled_tokens if rid in self.failed}
         if failed:
             so = _without(so, failed)
+        offload = [b.block_id for b in so.blocks_to_offload]
         if so.total_num_scheduled_tokens == 0:
-            return PreparedStep(None, None, None, None, failed, so.blocks_to_copy,
-                                so.propose_drafts) if failed else None
+            return PreparedStep(None, None, None, None, failed, so.blocks_to_copy, so.propose_drafts, offload,
+                                so.blocks_to_load) if failed or so.moves_kv else None
         step = build_step(self.states, so, self.block_size)
         sampling = None
         if step.sample_states:  # gathered here: the next step's prepare may change the table while this runs
@@ -126,7 +129,8 @@ class ModelRunner:
             # only the sampled rows need the last layer's output (prompt logprobs need every row's)
             rows = output_rows(meta, step.logits_indices, step.logits_seqs)
             self.backend.prepare(rows.meta, self.device)
-        return PreparedStep(step, meta, rows, sampling, failed, so.blocks_to_copy, so.propose_drafts)
+        return PreparedStep(step, meta, rows, sampling, failed, so.blocks_to_copy, so.propose_drafts, offload,
+                            so.blocks_to_load)
 
     def execute(self, prepared: PreparedStep | None) -> ModelRunnerOutput:
         """Run a prepared step; steps must execute in the order they were prepared."""
@@ -135,10 +139,14 @@ class ModelRunner:
         with contextlib.ExitStack() as stack:
             for populate in self._populate:
                 stack.enter_context(populate.paused())
-            if prepared.blocks_to_copy:  # after every earlier step's writes, before this one's
+            # after every earlier step's writes, before this one's: the blocks evicted or swapped out are read
+            # before a copy or a load may write into them, and a copy's source before a load reuses it
+            offloaded = read_blocks(self.kv_caches, prepared.blocks_to_offload)
+            if prepared.blocks_to_copy:
                 copy_blocks(self.kv_caches, prepared.blocks_to_copy)
+            write_blocks(self.kv_caches, prepared.blocks_to_load)
             if prepared.step is None or prepared.meta is None:
-                return ModelRunnerOutput([], [], failed=prepared.failed)
+                return ModelRunnerOutput([], [], failed=prepared.failed, offloaded_kv=offloaded)
             propose = (self.proposer is not None and prepared.propose and bool(prepared.step.sample_states)
                        and getattr(self.proposer, "active", True))
             start = time.perf_counter()
@@ -148,6 +156,7 @@ class ModelRunner:
                 step_s = time.perf_counter() - start if len(step.logits_indices) == len(step.input_ids) else None
                 out.spec_token_ids = self._propose(step, out, step_s)
             out.failed = prepared.failed
+            out.offloaded_kv = offloaded
             return out
 
     @torch.inference_mode()

@@ -1,0 +1,34 @@
+"""The second KV tier's counters in /metrics: hits per tier, bytes each way, damaged disk blocks, swaps;
+absent while no tier moved anything."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.core.messages import SchedulerStats
+from tokenmill.metrics.prometheus import EngineMetrics
+
+
+def samples(m: EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(m.render().decode()) for s in family.samples}
+
+
+def test_tier_counters_follow_the_stats() -> None:
+    m = EngineMetrics("m")
+    m.scheduler_stats(SchedulerStats(num_total_blocks=4))
+    assert not any(name.startswith("tokenmill:kv_offload") for name, _ in samples(m))
+    m.scheduler_stats(SchedulerStats(kv_offload_memory_hits=16, kv_offload_bytes_offloaded=4096,
+                                     kv_offload_bytes_loaded=2048, num_swapped_out=1))
+    m.scheduler_stats(SchedulerStats(kv_offload_memory_hits=24, kv_offload_disk_hits=8, kv_offload_bytes_offloaded=8192,
+                                     kv_offload_bytes_loaded=4096, kv_offload_corrupt_blocks=2, num_swapped_out=2,
+                                     num_swapped_in=1))
+    got = samples(m)
+    model = ("model_name", "m")
+    assert got[("tokenmill:kv_offload_hits_total", (model, ("tier", "memory")))] == 24
+    assert got[("tokenmill:kv_offload_hits_total", (model, ("tier", "disk")))] == 8
+    assert got[("tokenmill:kv_offload_bytes_total", (("direction", "out"), model))] == 8192
+    assert got[("tokenmill:kv_offload_bytes_total", (("direction", "in"), model))] == 4096
+    assert got[("tokenmill:kv_offload_corrupt_blocks_total", (model,))] == 2
+    assert got[("tokenmill:num_swapped_total", (("direction", "out"), model))] == 2
+    assert got[("tokenmill:num_swapped_total", (("direction", "in"), model))] == 1
