@@ -19,6 +19,7 @@ import psutil
 
 from tokenmill.arch import RUNNERS, ArchConfig, load_arch_config
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
+from tokenmill.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig, resolve_parallel_config
 from tokenmill.pooling import PoolerConfig, checkpoint_max_seq_length, resolve_pooler_config
 from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
 
@@ -77,6 +78,7 @@ class EngineConfig:
     attention_backend: str
     speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
     log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism, the executor
 
 
 # speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
@@ -216,8 +218,15 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(2048, "the most tokens one step computes; longer prompts are prefilled "
                                              "in chunks")
     device: str = _arg("auto", "auto, cpu or cuda; auto: cuda if torch sees a CUDA GPU")
-    num_threads: int | None = _arg(None, "CPU compute threads (default: one per CPU this process may use; "
+    num_threads: int | None = _arg(None, "CPU compute threads, all ranks' together (each tensor-parallel rank "
+                                         "takes its share; default: one per CPU this process may use; "
                                          "`tokenmill serve` leaves one of them to its API process)")
+    tensor_parallel_size: int = _arg(1, "split each layer over this many ranks (a process each, torch.distributed "
+                                        "over gloo on a CPU): attention heads, KV heads, MLP and vocabulary; "
+                                        "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
+    distributed_executor_backend: str | None = _arg(
+        None, "how the ranks run: " + ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS) + " (uni: in the engine's "
+              "process; mp: a process per rank on this machine; default: mp above one rank, else uni)")
     attention_backend: str = _arg("auto", "attention implementation: cpu (tokenmill's C++ kernels), sdpa "
                                           "(torch's scaled_dot_product_attention), torch_ref (the plain "
                                           "reference), triton (paged Triton kernels and fused Triton layers, "
@@ -279,6 +288,8 @@ class EngineArgs:
             pooler=resolve_pooler_config(self.model, self.pooler_config) if runner == "pooling" else None,
         )
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
+        parallel = resolve_parallel_config(self.tensor_parallel_size, self.distributed_executor_backend, arch,
+                                           device, runner, model.quantization is not None, spec is not None)
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
                             else default_async_scheduling(device, self.num_threads))
         return EngineConfig(
@@ -301,6 +312,7 @@ class EngineArgs:
             attention_backend=backend,
             speculative=spec,
             log_stats=not self.disable_log_stats,
+            parallel=parallel,
         )
 
     def _runner(self, arch: ArchConfig) -> str:

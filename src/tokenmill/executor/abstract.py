@@ -3,7 +3,8 @@
 An executor owns one worker per rank and reaches them all with `collective_rpc(method, args)`: the
 same `Worker` method on every rank, the results in rank order. On top of it the base class plans the
 KV cache from the workers' layer specs and has every worker allocate it. In-process (uniproc.py) is
-one implementation; multiprocess and Ray executors (tensor/pipeline parallelism) are others.
+one implementation; a process per rank (multiproc.py, tensor parallelism) another; `create_executor`
+(executor/__init__.py) picks one by `ParallelConfig.distributed_executor_backend`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, plan_kv_cache
+
+
+class WorkerDied(RuntimeError):
+    """A worker process is gone (or failed in a way that leaves its group out of step): the executor
+    cannot run another step, and the engine ends every request with this error."""
 
 
 class Executor(ABC):
@@ -37,6 +43,11 @@ class Executor(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def check_health(self) -> None:
+        """Raise WorkerDied where a worker is gone (checked while the engine is idle, too); an
+        in-process worker cannot be gone without the engine."""
+        return None
 
     def initialize_kv_cache(self) -> KVCacheConfig:
         """Plan the pool from the workers' attention layer specs within the cache budget, have every
