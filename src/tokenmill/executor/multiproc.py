@@ -143,7 +143,9 @@ class MultiprocExecutor(Executor):
                 proc.join(1.0)
         for conn in self._calls + self._replies:
             conn.close()
-        self._fail_pending(self._dead or WorkerDied("the executor has shut down"))
+        with self._lock:  # every later call fails at once
+            self._dead = self._dead or WorkerDied("the executor has shut down")
+        self._fail_pending(self._dead)
         self._tmp.cleanup()
 
     # ---- calls and answers -------------------------------------------------------------------------
