@@ -171,6 +171,15 @@ class MultiprocExecutor(Executor):
         return futures
 
     def _read_replies(self) -> None:
+        try:
+            self._read_until_a_worker_ends()
+        except Exception as e:  # (a bug here must not leave the engine waiting on its Futures)
+            logger.exception("the executor's reader thread failed")
+            with self._lock:
+                self._dead = WorkerDied(f"the executor's reader thread failed: {type(e).__name__}: {e}")
+            self._fail_pending(self._dead)
+
+    def _read_until_a_worker_ends(self) -> None:
         by_reply = {conn: rank for rank, conn in enumerate(self._replies)}
         by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
         waiting: list[Any] = [*by_reply, *by_sentinel]
