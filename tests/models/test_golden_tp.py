@@ -69,3 +69,21 @@ def test_each_rank_holds_its_share(model_dirs: dict[str, str]) -> None:
         kv = llm.engine.core.executor.kv_cache_config
     assert per_rank == [(whole - norms) // 2 + norms] * 2
     assert kv is not None and kv.bytes_per_block == single.engine.core.executor.kv_cache_config.bytes_per_block // 2
+
+
+def test_random_sampling_agrees_with_one_rank(model_dirs: dict[str, str]) -> None:
+    """Every rank samples from the same gathered logits with the same seeds, so the ranks' states stay
+    equal (a rank that drew another token would feed it back and the outputs would part from one
+    rank's at once); float32 logits differ from one rank's only in rounding, far below a draw's odds."""
+    from tokenmill import SamplingParams
+
+    model_dir = model_dirs["llama-gqa2-tied"]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True, seed=s) for s in (1, 2, 3)]
+    params.append(SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))  # the engine's generator
+
+    def sample(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+
+    one = sample(LLM(model_dir, dtype="float32", kv_cache_memory="8MiB"))
+    with tp_llm(model_dir, 2) as llm:
+        assert sample(llm) == one

@@ -119,7 +119,10 @@ def _mapped_tensors(f: Any, header: dict[str, Any], data_start: int) -> Iterator
         with warnings.catch_warnings():  # read-only: the loaders only copy out of it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
-        yield name, raw.view(_ST_DTYPES[info["dtype"]]).view(info["shape"])
+        dtype = _ST_DTYPES[info["dtype"]]
+        if (data_start + begin) % dtype.itemsize:  # a header not padded to alignment: a copy views as dtype
+            raw = raw.clone()
+        yield name, raw.view(dtype).view(info["shape"])
 
 
 @contextlib.contextmanager
