@@ -208,8 +208,8 @@ class EngineArgs:
     block_size: int | None = _arg(None, "tokens per KV-cache block (default: 32 on a CPU, 16 on a GPU); "
                                         "prefix-cache hits come in whole blocks")
     kv_cache_memory: str | int | float | None = _arg(
-        None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3) (default: 4 GiB "
-              "or 0.3 of available memory, whichever is less)")
+        None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3), all "
+              "tensor-parallel ranks' together (default: 4 GiB or 0.3 of available memory, whichever is less)")
     num_kv_blocks: int | None = _arg(None, "KV-cache size in blocks; overrides --kv-cache-memory")
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), int8 (a scale per token and "
                                        "kv head) or fp8_e4m3 (fp8 is the same; also a scale per token and kv head)")

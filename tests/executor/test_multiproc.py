@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.models.test_golden import PROMPTS, expected, greedy, run
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.executor.abstract import WorkerDied
 from tokenmill.executor.multiproc import MultiprocExecutor
 
@@ -116,5 +118,36 @@ def test_one_rank_in_its_own_process(llama_dir: str) -> None:
     try:
         assert executor_of(llm).pids[0] != os.getpid()
         assert run(llm, PROMPTS[:4], [9, 3, 12, 5]) == expected(llama_dir, PROMPTS[:4], [9, 3, 12, 5])
+    finally:
+        llm.shutdown()
+
+
+def test_engine_never_shut_down_exits_cleanly(llama_dir: str) -> None:
+    """An engine left running at interpreter exit stops its workers itself (none reads as dead)."""
+    code = (f"from tokenmill import LLM, SamplingParams\n"
+            f"llm = LLM({llama_dir!r}, kv_cache_memory='8MiB', tensor_parallel_size=2)\n"
+            f"print(len(llm.generate('x', SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr
+    assert "died" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_structured_output_reaches_the_ranks(llama_dir: str, async_scheduling: bool) -> None:
+    """The step's token bitmasks (a Future the xgrammar thread fills) go to the ranks filled in: JSON
+    outputs are valid, greedy and seeded, beside free requests that keep one rank's tokens."""
+    from tests.structured.test_engine_structured import PROMPTS as JSON_PROMPTS
+    from tests.structured.test_engine_structured import check_valid, constrained
+
+    free = SamplingParams(temperature=0.0, max_tokens=8)
+    params = [constrained(), constrained(seed=3), free, free]
+    one = LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128, async_scheduling=False)
+    expected_free = [o.outputs[0].token_ids for o in one.generate(JSON_PROMPTS[2:], free, use_tqdm=False)]
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
+              async_scheduling=async_scheduling, tensor_parallel_size=2)
+    try:
+        outs = llm.generate(JSON_PROMPTS, params, use_tqdm=False)
+        check_valid(outs[:2])
+        assert [o.outputs[0].token_ids for o in outs[2:]] == expected_free
     finally:
         llm.shutdown()

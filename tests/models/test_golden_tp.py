@@ -58,7 +58,8 @@ def test_prefix_hits_preemption_and_async_scheduling(model_dirs: dict[str, str])
 
 
 def test_each_rank_holds_its_share(model_dirs: dict[str, str]) -> None:
-    """Every sharded weight split in two; only the norms (hidden_size each) on both ranks."""
+    """Every sharded weight split in two, only the norms (hidden_size each) on both ranks; the KV cache
+    budget shared out between the ranks."""
     model_dir = model_dirs["qwen2-mha"]  # 4 KV heads: no replication; untied embedding and lm_head
     single = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB")
     whole = single.engine.core.executor.collective_rpc("weight_bytes")[0]
@@ -68,7 +69,10 @@ def test_each_rank_holds_its_share(model_dirs: dict[str, str]) -> None:
         per_rank = llm.engine.core.executor.collective_rpc("weight_bytes")
         kv = llm.engine.core.executor.kv_cache_config
     assert per_rank == [(whole - norms) // 2 + norms] * 2
-    assert kv is not None and kv.bytes_per_block == single.engine.core.executor.kv_cache_config.bytes_per_block // 2
+    one_rank_kv = single.engine.core.executor.kv_cache_config
+    assert kv is not None and one_rank_kv is not None
+    # each rank's blocks hold its half of the KV heads, and it takes half of the 8 MiB: as many blocks
+    assert kv.bytes_per_block == one_rank_kv.bytes_per_block // 2 and kv.num_blocks == one_rank_kv.num_blocks
 
 
 def test_random_sampling_agrees_with_one_rank(model_dirs: dict[str, str]) -> None:

@@ -50,12 +50,15 @@ class Executor(ABC):
         return None
 
     def initialize_kv_cache(self) -> KVCacheConfig:
-        """Plan the pool from the workers' attention layer specs within the cache budget, have every
+        """Plan the pool from the workers' attention layer specs within the cache budget (all ranks'), have every
         worker allocate it, and return the plan (its num_blocks sizes the scheduler's block pool)."""
         specs: list[dict[str, KVCacheSpec]] = self.collective_rpc("get_kv_cache_specs")
         if any(s != specs[0] for s in specs[1:]):
             raise ValueError("workers declare different KV cache layers")
         cache = self.config.cache
-        self.kv_cache_config = plan_kv_cache(specs[0], cache.kv_cache_bytes, cache.num_kv_blocks)
+        # the ranks share this machine's memory: each takes its share of the budget, so the pool's bytes
+        # in all are the budget (and its tokens one rank's, where no KV head is replicated)
+        budget = cache.kv_cache_bytes // self.config.parallel.world_size
+        self.kv_cache_config = plan_kv_cache(specs[0], budget, cache.num_kv_blocks)
         self.collective_rpc("initialize_kv_cache", (self.kv_cache_config,))
         return self.kv_cache_config

@@ -15,6 +15,7 @@ every later one with WorkerDied, and the other workers are stopped, so nothing w
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -79,6 +80,9 @@ class MultiprocExecutor(Executor):
             raise
         self._reader = threading.Thread(target=self._read_replies, name="tokenmill-worker-replies", daemon=True)
         self._reader.start()
+        # an engine never shut down stops its workers at exit before multiprocessing terminates them (which
+        # would read as deaths)
+        atexit.register(self.shutdown)
         wait(ready)
         errors = [e for f in ready if (e := f.exception()) is not None]
         if errors:
@@ -132,6 +136,7 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)
         with contextlib.suppress(OSError, ValueError):
             data = pickle.dumps(_Call(_SHUTDOWN, reply_ranks=0))
             for conn in self._calls:
