@@ -7,10 +7,14 @@ kilobytes, and the OS does the blocking, the waking and the report of a closed e
 answers every call; the other ranks answer the calls that collect every rank's result
 (`collective_rpc`) and stay silent on steps, whose output is rank 0's.
 
-One reader thread takes the answers in the order the calls were sent and resolves each call's Future,
-and waits on every worker's process sentinel beside them: a worker that exits (killed, crashed, or
-failed a step, after which its group's collectives are out of step) fails every call in flight and
-every later one with WorkerDied, and the other workers are stopped, so nothing waits on a dead rank.
+One sender thread writes the calls in the order they are made: a step whose token bitmasks are still
+being filled (structured output's Future, which the xgrammar thread fills once the tokens of the step
+in flight are told, on the engine's thread after that step's output) waits for them there, not on the
+engine's thread. One reader thread takes the answers in the order the calls were sent and resolves
+each call's Future, and waits on every worker's process sentinel beside them: a worker that exits
+(killed, crashed, or failed a step, after which its group's collectives are out of step) fails every
+call in flight and every later one with WorkerDied, and the other workers are stopped, so nothing
+waits on a dead rank.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import pickle
+import queue
 import signal
 import tempfile
 import threading
@@ -72,6 +78,7 @@ class MultiprocExecutor(Executor):
         self._dead: WorkerDied | None = None
         self._cause: str | None = None  # the first error a worker reported before exiting
         self._closing = False
+        self._outbox: queue.SimpleQueue[tuple[_Call, list[Future[Any]]] | None] = queue.SimpleQueue()
         ready = self._expect(self.world_size)  # each worker answers once its model is loaded
         try:
             self._start_workers()
@@ -80,6 +87,8 @@ class MultiprocExecutor(Executor):
             raise
         self._reader = threading.Thread(target=self._read_replies, name="tokenmill-worker-replies", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_calls, name="tokenmill-worker-calls", daemon=True)
+        self._sender.start()
         # an engine never shut down stops its workers at exit before multiprocessing terminates them (which
         # would read as deaths)
         atexit.register(self.shutdown)
@@ -114,18 +123,16 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        futures = self._send(_Call(method, args, kwargs or {}, self.world_size))
+        futures = self._post(_Call(method, args, kwargs or {}, self.world_size))
         return [f.result() for f in futures]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.submit(so).result()
 
     def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Write the step to every rank and return rank 0's output to come. The workers run the steps
-        in the order they were sent, so the next one is scheduled while this one computes."""
-        if isinstance(so.grammar_bitmask, Future):  # the workers take the bitmasks themselves
-            so = dataclasses.replace(so, grammar_bitmask=so.grammar_bitmask.result())
-        future: Future[ModelRunnerOutput] = self._send(_Call("execute_model", (so,)))[0]
+        """Queue the step for every rank and return rank 0's output to come. The workers run the steps
+        in the order they were made, so the next one is scheduled while this one computes."""
+        future: Future[ModelRunnerOutput] = self._post(_Call("execute_model", (so,)))[0]
         return future
 
     def check_health(self) -> None:
@@ -137,6 +144,9 @@ class MultiprocExecutor(Executor):
             return
         self._closing = True
         atexit.unregister(self.shutdown)
+        self._outbox.put(None)
+        if hasattr(self, "_sender"):
+            self._sender.join(_JOIN_S)
         with contextlib.suppress(OSError, ValueError):
             data = pickle.dumps(_Call(_SHUTDOWN, reply_ranks=0))
             for conn in self._calls:
@@ -164,6 +174,26 @@ class MultiprocExecutor(Executor):
             for rank, f in enumerate(futures):
                 self._pending[rank].append(f)
         return futures
+
+    def _post(self, call: _Call) -> list[Future[Any]]:
+        """Queue a call for the sender thread; a Future for each answering rank's answer."""
+        if self._dead is not None:
+            raise self._dead
+        outers: list[Future[Any]] = [Future() for _ in range(call.reply_ranks)]
+        self._outbox.put((call, outers))
+        return outers
+
+    def _send_calls(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            call, outers = item
+            try:
+                inners = self._send(_with_bitmasks(call))
+            except BaseException as e:  # (a dead executor; a bitmask that failed)
+                for outer in outers:
+                    outer.set_exception(e)
+                continue
+            for inner, outer in zip(inners, outers, strict=True):
+                inner.add_done_callback(functools.partial(_copy_outcome, outer))
 
     def _send(self, call: _Call) -> list[Future[Any]]:
         data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)  # once, whatever the ranks
@@ -253,6 +283,22 @@ class MultiprocExecutor(Executor):
         for f in pending:
             if not f.done():
                 f.set_exception(error)
+
+
+def _with_bitmasks(call: _Call) -> _Call:
+    """A step whose token bitmasks are a Future, with them filled in (the workers take the arrays)."""
+    so = call.args[0] if call.method == "execute_model" else None
+    if isinstance(so, SchedulerOutput) and isinstance(so.grammar_bitmask, Future):
+        so = dataclasses.replace(so, grammar_bitmask=so.grammar_bitmask.result())
+        return dataclasses.replace(call, args=(so,))
+    return call
+
+
+def _copy_outcome(outer: Future[Any], inner: Future[Any]) -> None:
+    if (error := inner.exception()) is not None:
+        outer.set_exception(error)
+    else:
+        outer.set_result(inner.result())
 
 
 @contextlib.contextmanager
