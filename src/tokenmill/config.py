@@ -19,6 +19,7 @@ import psutil
 
 from tokenmill.arch import RUNNERS, ArchConfig, load_arch_config
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
+from tokenmill.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig, resolve_parallel_config
 from tokenmill.pooling import PoolerConfig, checkpoint_max_seq_length, resolve_pooler_config
 from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
 
@@ -86,6 +87,7 @@ class EngineConfig:
     attention_backend: str
     speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
     log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism, the executor
 
 
 # speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
@@ -215,8 +217,8 @@ class EngineArgs:
     block_size: int | None = _arg(None, "tokens per KV-cache block (default: 32 on a CPU, 16 on a GPU); "
                                         "prefix-cache hits come in whole blocks")
     kv_cache_memory: str | int | float | None = _arg(
-        None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3) (default: 4 GiB "
-              "or 0.3 of available memory, whichever is less)")
+        None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3), all "
+              "tensor-parallel ranks' together (default: 4 GiB or 0.3 of available memory, whichever is less)")
     num_kv_blocks: int | None = _arg(None, "KV-cache size in blocks; overrides --kv-cache-memory")
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), int8 (a scale per token and "
                                        "kv head) or fp8_e4m3 (fp8 is the same; also a scale per token and kv head)")
@@ -241,8 +243,15 @@ class EngineArgs:
                                      "so that they add little to the interactive requests' step time; with no "
                                      "interactive request in the engine they get the whole step")
     device: str = _arg("auto", "auto, cpu or cuda; auto: cuda if torch sees a CUDA GPU")
-    num_threads: int | None = _arg(None, "CPU compute threads (default: one per CPU this process may use; "
+    num_threads: int | None = _arg(None, "CPU compute threads, all ranks' together (each tensor-parallel rank "
+                                         "takes its share; default: one per CPU this process may use; "
                                          "`tokenmill serve` leaves one of them to its API process)")
+    tensor_parallel_size: int = _arg(1, "split each layer over this many ranks (a process each, torch.distributed "
+                                        "over gloo on a CPU): attention heads, KV heads, MLP and vocabulary; "
+                                        "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
+    distributed_executor_backend: str | None = _arg(
+        None, "how the ranks run: " + ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS) + " (uni: in the engine's "
+              "process; mp: a process per rank on this machine; default: mp above one rank, else uni)")
     attention_backend: str = _arg("auto", "attention implementation: cpu (tokenmill's C++ kernels), sdpa "
                                           "(torch's scaled_dot_product_attention), torch_ref (the plain "
                                           "reference), triton (paged Triton kernels and fused Triton layers, "
@@ -304,6 +313,13 @@ class EngineArgs:
             pooler=resolve_pooler_config(self.model, self.pooler_config) if runner == "pooling" else None,
         )
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
+        parallel = resolve_parallel_config(self.tensor_parallel_size, self.distributed_executor_backend, arch,
+                                           device, runner, model.quantization is not None, spec is not None)
+        if parallel.world_size > 1 and (self.kv_offload_memory is not None or self.kv_offload_disk is not None
+                                        or self.preemption_mode == "swap"):
+            # a rank's blocks hold only its heads, and the tiers move rank 0's bytes alone
+            raise ValueError("the KV tiers (--kv-offload-memory, --kv-offload-disk, --preemption-mode swap) are not "
+                             "built for tensor parallelism yet; use tensor_parallel_size 1")
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
                             else default_async_scheduling(device, self.num_threads))
         return EngineConfig(
@@ -328,6 +344,7 @@ class EngineArgs:
             attention_backend=backend,
             speculative=spec,
             log_stats=not self.disable_log_stats,
+            parallel=parallel,
         )
 
     def _runner(self, arch: ArchConfig) -> str:

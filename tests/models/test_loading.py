@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 
 import pytest
+import torch
 
 from tests.conftest import random_prompts
 from tests.fixtures import build_model, hf_greedy, to_transformers4_dialect
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch import load_arch_config, parse_arch_config
 from tokenmill.config import EngineArgs, _resolve_dtype, default_block_size
-from tokenmill.models.loader import checkpoint_files
+from tokenmill.models.loader import checkpoint_files, iterate_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -103,3 +105,20 @@ def test_block_size_defaults_by_device(model_dirs: dict[str, str]) -> None:
     assert default_block_size("cuda") == 16
     with pytest.raises(ValueError, match="block_size"):
         EngineArgs(model=model_dir, block_size=0).create_engine_config()
+
+
+def test_mapped_checkpoint_gives_the_same_tensors(llama_dir: str, tmp_path: os.PathLike[str]) -> None:
+    """A tensor-parallel rank's reader (views of the mapped files) gives every tensor the buffered
+    reader does, also from a file whose header leaves the data unaligned for its dtype."""
+    buffered = dict(iterate_checkpoint(llama_dir))
+    mapped = dict(iterate_checkpoint(llama_dir, mapped=True))
+    assert buffered.keys() == mapped.keys()
+    assert all(torch.equal(buffered[k], mapped[k]) for k in buffered)
+    t = torch.arange(6, dtype=torch.float32).view(2, 3)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode() + b" "
+    odd = os.path.join(tmp_path, "odd")
+    os.makedirs(odd)
+    with open(os.path.join(odd, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + t.numpy().tobytes())
+    assert (8 + len(header)) % 4  # the data starts off a float's alignment
+    assert torch.equal(dict(iterate_checkpoint(odd, mapped=True))["w"], t)

@@ -19,8 +19,8 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.engine.step_meter import StepMeter
-from tokenmill.executor.abstract import Executor
-from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.executor import create_executor
+from tokenmill.executor.abstract import Executor, WorkerDied
 from tokenmill.metrics.step_cost import model_cost
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
@@ -32,8 +32,12 @@ IDLE_WAIT_S = 0.001  # a step that scheduled nothing while requests wait sleeps 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor: Executor = executor if executor is not None else UniProcExecutor(config)
-        kv_config = self.executor.initialize_kv_cache()
+        self.executor: Executor = executor if executor is not None else create_executor(config)
+        try:
+            kv_config = self.executor.initialize_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # (a multiprocess executor's workers)
+            raise
         num_blocks = kv_config.num_blocks
         capacity = num_blocks * config.cache.block_size
         if capacity < config.model.max_model_len:
@@ -130,7 +134,10 @@ class EngineCore:
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
         """A step that raised ends the requests it scheduled, with the error, and the engine goes on
-        with the rest; MAX_FAILED_STEPS failures in a row mean the engine itself is broken."""
+        with the rest; MAX_FAILED_STEPS failures in a row mean the engine itself is broken, and so
+        does a dead worker (WorkerDied: the error ends the engine and with it every request)."""
+        if isinstance(error, WorkerDied):
+            raise error
         self._failed_steps += 1
         self.scheduler.step_dropped(so)
         if self._meter is not None:
@@ -170,11 +177,17 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight or self._failed) or self.scheduler.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """Raise WorkerDied where a worker is gone (the core process checks while idle too)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
-        """Wait for the steps in flight and stop the worker thread."""
-        while self._in_flight:
-            self._in_flight.popleft()[1].result()
-        self.executor.shutdown()
+        """Wait for the steps in flight and stop the worker thread (or processes)."""
+        try:
+            while self._in_flight:
+                self._in_flight.popleft()[1].result()
+        finally:
+            self.executor.shutdown()
         if isinstance(self.scheduler.structured_output, XGrammarBackend):
             self.scheduler.structured_output.shutdown()
         self.close_kv_offload()

@@ -117,6 +117,7 @@ class CoreLoop:
                 if os.getppid() != self.parent_pid:
                     logger.warning("the API process is gone; the engine core exits")
                     return
+                self.core.check_health()  # a dead worker ends the core (FAILED), even while idle
             if not self.stopping and self.core.has_unfinished_requests():
                 self._step()
 

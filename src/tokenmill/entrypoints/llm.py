@@ -36,6 +36,12 @@ class LLM:
                              "a decoder with runner='generate'")
         return self._engine
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker thread or processes (a tensor-parallel engine's ranks); the object
+        generates no more after it."""
+        if self._engine is not None:
+            self._engine.core.shutdown()
+
     def get_tokenizer(self) -> Any:
         if self.embedding_engine is not None:
             return self.embedding_engine.tokenizer

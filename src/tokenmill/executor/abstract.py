@@ -3,7 +3,8 @@
 An executor owns one worker per rank and reaches them all with `collective_rpc(method, args)`: the
 same `Worker` method on every rank, the results in rank order. On top of it the base class plans the
 KV cache from the workers' layer specs and has every worker allocate it. In-process (uniproc.py) is
-one implementation; multiprocess and Ray executors (tensor/pipeline parallelism) are others.
+one implementation; a process per rank (multiproc.py, tensor parallelism) another; `create_executor`
+(executor/__init__.py) picks one by `ParallelConfig.distributed_executor_backend`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, plan_kv_cache
+
+
+class WorkerDied(RuntimeError):
+    """A worker process is gone (or failed in a way that leaves its group out of step): the executor
+    cannot run another step, and the engine ends every request with this error."""
 
 
 class Executor(ABC):
@@ -38,13 +44,21 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def check_health(self) -> None:
+        """Raise WorkerDied where a worker is gone (checked while the engine is idle, too); an
+        in-process worker cannot be gone without the engine."""
+        return None
+
     def initialize_kv_cache(self) -> KVCacheConfig:
-        """Plan the pool from the workers' attention layer specs within the cache budget, have every
+        """Plan the pool from the workers' attention layer specs within the cache budget (all ranks'), have every
         worker allocate it, and return the plan (its num_blocks sizes the scheduler's block pool)."""
         specs: list[dict[str, KVCacheSpec]] = self.collective_rpc("get_kv_cache_specs")
         if any(s != specs[0] for s in specs[1:]):
             raise ValueError("workers declare different KV cache layers")
         cache = self.config.cache
-        self.kv_cache_config = plan_kv_cache(specs[0], cache.kv_cache_bytes, cache.num_kv_blocks)
+        # the ranks share this machine's memory: each takes its share of the budget, so the pool's bytes
+        # in all are the budget (and its tokens one rank's, where no KV head is replicated)
+        budget = cache.kv_cache_bytes // self.config.parallel.world_size
+        self.kv_cache_config = plan_kv_cache(specs[0], budget, cache.num_kv_blocks)
         self.collective_rpc("initialize_kv_cache", (self.kv_cache_config,))
         return self.kv_cache_config

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed import TensorParallel
+from tokenmill.layers.parallel import CheckpointSlice, equal_slice, padded_slice
+
 logger = logging.getLogger(__name__)
 GEMV_PROBE_ROWS = (1, 4, 13)  # the GEMV's paths: one row, its most rows without tiles, tiles of 6 and a tail
 
@@ -60,13 +63,21 @@ class LinearBase(nn.Module):
     fused projection (q/k/v, or gate/up) in order; `shard_ids` names them for the loader."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
-                 method: LinearMethod, shard_ids: Sequence[ShardId] = (None,)) -> None:
+                 method: LinearMethod, shard_ids: Sequence[ShardId] = (None,),
+                 slices: Sequence[CheckpointSlice] = (), tp_reduce: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
         self.has_bias = bias
         self.shard_ids = list(shard_ids)
+        # tensor parallelism: each shard's part of its checkpoint tensor that this rank holds (none: all of
+        # it), and for a row-parallel layer the group its partial products are summed over
+        self.slices: dict[ShardId, CheckpointSlice] = dict(zip(self.shard_ids, slices, strict=True)) if slices else {}
+        self.tp_reduce = tp_reduce if tp_reduce is not None and tp_reduce.size > 1 else None
+        self.checkpoint_sizes = list(output_sizes)  # each shard's rows in the checkpoint (all ranks')
+        if self.tp_reduce is not None and bias:
+            raise ValueError("a row-parallel linear layer with a bias is not supported")
         self._loaded: set[tuple[str, ShardId]] = set()  # (parameter name, shard) the checkpoint filled
         self.method = method
         self.weight: nn.Parameter
@@ -78,7 +89,8 @@ class LinearBase(nn.Module):
         method.create_weights(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.tp_reduce is None else self.tp_reduce.all_reduce(y)
 
     def shard_range(self, shard_id: ShardId, dim_size: int | None = None) -> tuple[int, int]:
         """Rows [start, end) of shard `shard_id` in a dimension of `output_size` (or `dim_size`, for
@@ -92,7 +104,10 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy a checkpoint tensor into its rows of a parameter whose first dimension is the output
-        dimension (weight, bias, per-channel scales); a one-shard layer takes the whole tensor."""
+        dimension (weight, bias, per-channel scales); a one-shard layer takes the whole tensor. Under
+        tensor parallelism the tensor is first narrowed to this rank's slice."""
+        if (cut := self.slices.get(shard_id)) is not None:
+            loaded = cut.take(loaded)
         if len(self.shard_ids) == 1 and shard_id is None:
             default_weight_loader(param, loaded)
         else:
@@ -127,20 +142,56 @@ class Linear(LinearBase):
 
 class QKVLinear(LinearBase):
     """q, k and v projections fused into one matmul; the checkpoint's q_proj/k_proj/v_proj load into
-    shards "q", "k", "v"."""
+    shards "q", "k", "v". Under tensor parallelism (column-parallel) it holds this rank's query heads
+    and its KV heads (`TensorParallel.kv_heads`: a share, or one replicated head)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 dtype: torch.dtype, method: LinearMethod) -> None:
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden, sizes, bias, dtype, method, shard_ids=("q", "k", "v"))
+                 dtype: torch.dtype, method: LinearMethod, tp: TensorParallel | None = None) -> None:
+        tp = tp or TensorParallel()
+        heads = tp.split(num_heads, "num_attention_heads")
+        kv_first, kv_heads = tp.kv_heads(num_kv_heads)
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        slices: tuple[CheckpointSlice, ...] = ()
+        if tp.size > 1:
+            kv = CheckpointSlice(0, kv_first * head_dim, kv_heads * head_dim)
+            slices = (CheckpointSlice(0, tp.rank * sizes[0], sizes[0]), kv, kv)
+        super().__init__(hidden, sizes, bias, dtype, method, shard_ids=("q", "k", "v"), slices=slices)
+        self.checkpoint_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
 
 
 class MergedLinear(LinearBase):
-    """Several projections of one input fused into one matmul (gate and up: shards 0 and 1)."""
+    """Several projections of one input fused into one matmul (gate and up: shards 0 and 1); under
+    tensor parallelism (column-parallel) each holds this rank's share of its rows."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
-                 method: LinearMethod) -> None:
-        super().__init__(input_size, output_sizes, bias, dtype, method, shard_ids=tuple(range(len(output_sizes))))
+                 method: LinearMethod, tp: TensorParallel | None = None) -> None:
+        tp = tp or TensorParallel()
+        slices = [equal_slice(n, tp) for n in output_sizes] if tp.size > 1 else []
+        super().__init__(input_size, [tp.split(n) for n in output_sizes], bias, dtype, method,
+                         shard_ids=tuple(range(len(output_sizes))), slices=slices)
+        self.checkpoint_sizes = list(output_sizes)
+
+
+class ColumnParallelLinear(LinearBase):
+    """One projection whose output rows are split over the ranks (each computes its rows of y); with
+    `padded`, the rows are padded up to a multiple of the ranks (the lm_head over the vocabulary)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, method: LinearMethod,
+                 tp: TensorParallel, padded: bool = False) -> None:
+        cut = padded_slice(output_size, tp) if padded else equal_slice(output_size, tp)
+        super().__init__(input_size, [cut.size], bias, dtype, method, slices=[cut] if tp.size > 1 else [])
+        self.checkpoint_sizes = [output_size]
+
+
+class RowParallelLinear(LinearBase):
+    """One projection whose input columns are split over the ranks: each multiplies its share of x
+    (the column-parallel layer before gave it) and the partial products are summed over the ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, method: LinearMethod,
+                 tp: TensorParallel) -> None:
+        cut = equal_slice(input_size, tp, dim=1)
+        super().__init__(cut.size, [output_size], bias, dtype, method, slices=[cut] if tp.size > 1 else [],
+                         tp_reduce=tp)
 
 
 class Embedding(nn.Embedding):

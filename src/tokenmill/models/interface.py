@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, KVScales, OutputRows
+from tokenmill.distributed import TensorParallel
 from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 
 
@@ -27,6 +28,8 @@ class ModelOptions:
     linear_method: LinearMethod = field(default_factory=UnquantizedLinearMethod)
     # the lm_head's, where it differs (quantized checkpoints keep a float lm_head); None: linear_method
     lm_head_method: LinearMethod | None = None
+    # this rank's place in the tensor-parallel group (the Llama family shards its layers by it)
+    tp: TensorParallel = field(default_factory=TensorParallel)
 
 
 @runtime_checkable

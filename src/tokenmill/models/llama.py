@@ -3,7 +3,12 @@
 only in ArchConfig flags.
 
 q/k/v and gate/up projections are fused (one matmul each); the checkpoint's separate projections load
-into their shards, and Phi-3's fused ones are split into them (`load_fused`)."""
+into their shards, and Phi-3's fused ones are split into them (`load_fused`).
+
+Under tensor parallelism (`ModelOptions.tp`) q/k/v and gate/up are column-parallel (each rank its
+heads, its KV heads, its share of the intermediate rows), o_proj and down row-parallel (summed over
+the ranks), the embedding and lm_head split by vocabulary (the logits gathered); each rank's
+PagedAttention, and so its KV cache, holds its own KV heads only."""
 
 from __future__ import annotations
 
@@ -17,8 +22,18 @@ from tokenmill.arch import ArchConfig
 from tokenmill.attention.backend import AttentionMetadata, OutputRows
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import PagedAttention
-from tokenmill.layers.linear import Embedding, Linear, LinearBase, MergedLinear, QKVLinear, ShardId, weight_loader_of
+from tokenmill.layers.linear import (
+    ColumnParallelLinear,
+    Embedding,
+    LinearBase,
+    MergedLinear,
+    QKVLinear,
+    RowParallelLinear,
+    ShardId,
+    weight_loader_of,
+)
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.parallel import VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, ModelOptions
 
@@ -30,27 +45,31 @@ STACKED: dict[str, tuple[str, ShardId]] = {
 
 def load_fused(layer: LinearBase, param: nn.Parameter, tensor: torch.Tensor) -> None:
     """A checkpoint tensor of a whole fused projection (q/k/v, or gate/up, stacked along the output
-    dimension), loaded shard by shard through the layer's weight loader."""
-    if tensor.shape[0] != param.shape[0]:
-        raise ValueError(f"tensor shape {list(tensor.shape)} does not match the model's {list(param.shape)}")
-    for shard_id in layer.shard_ids:
-        start, end = layer.shard_range(shard_id, tensor.shape[0])
-        weight_loader_of(param)(param, tensor[start:end], shard_id)
+    dimension), loaded shard by shard through the layer's weight loader (which takes its rank's part)."""
+    if tensor.shape[0] != sum(layer.checkpoint_sizes):
+        raise ValueError(f"tensor shape {list(tensor.shape)} does not match the model's "
+                         f"{[sum(layer.checkpoint_sizes), *param.shape[1:]]}")
+    start = 0
+    for shard_id, size in zip(layer.shard_ids, layer.checkpoint_sizes, strict=True):
+        weight_loader_of(param)(param, tensor[start:start + size], shard_id)
+        start += size
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, opts: ModelOptions) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tp, method = opts.tp, opts.linear_method
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.attention_bias, opts.dtype, method, tp)
+        # this rank's heads (all of them on one rank)
+        self.num_heads, self.num_kv_heads = tp.split(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)[1]
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        method = opts.linear_method
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                  cfg.attention_bias, opts.dtype, method)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, opts.dtype, method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, opts.dtype, method, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
                                    cfg.sliding_window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -72,8 +91,8 @@ class MLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], False, opts.dtype, opts.linear_method)
-        self.down_proj = Linear(i, cfg.hidden_size, False, opts.dtype, opts.linear_method)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], False, opts.dtype, opts.linear_method, opts.tp)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, opts.dtype, opts.linear_method, opts.tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,11 +136,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, opts: ModelOptions) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp = opts.tp
+        self.embed_tokens: Embedding | VocabParallelEmbedding = (
+            Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(self.decoder_layer(cfg, opts, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, opts.dtype,
-                              opts.lm_head_method or opts.linear_method)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, opts.dtype,
+                                            opts.lm_head_method or opts.linear_method, tp, padded=True)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, opts.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -136,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)
+        if self.tp.size > 1:  # every rank's vocabulary rows, the padding past the vocabulary dropped
+            logits = self.tp.all_gather(logits)[..., :self.cfg.vocab_size]
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -151,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layout(self) -> DecoderLayout | None:
         cfg = self.cfg
-        if cfg.qk_norm or self.rotary.rot_dim != cfg.head_dim:
-            return None
+        if cfg.qk_norm or self.rotary.rot_dim != cfg.head_dim or self.tp.size > 1:
+            return None  # (the fused C++ decode loop has no collectives: tensor parallel runs the layer loop)
         layers = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             attn = layer.self_attn
@@ -194,7 +218,7 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
         loaded.add(name)
     if tied:  # one tensor for both (until a linear method repacks the lm_head's)
-        lm_head, embed = cast(Linear, model.get_submodule("lm_head")), model.get_submodule("embed_tokens")
+        lm_head, embed = cast(LinearBase, model.get_submodule("lm_head")), model.get_submodule("embed_tokens")
         lm_head.weight = cast(nn.Parameter, embed.weight)
         lm_head.mark_loaded("weight")
         loaded.add("lm_head.weight")

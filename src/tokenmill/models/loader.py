@@ -6,6 +6,10 @@ quantized layouts). The model is built with uninitialised storage in the target 
 each tensor is read from its file into a buffer of its own and copied into its parameter, so peak RSS
 stays near the size of the weights plus the largest tensor. Then every linear layer's method
 post-processes its weights (e.g. packs them for oneDNN).
+
+A tensor-parallel rank maps the files instead (`mapped=True`): each tensor is a view of the file, which
+the layers' loaders narrow to the rank's slice before copying, so only that slice is read from disk and
+no rank holds a whole tensor it shards.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import contextlib
 import glob
 import json
 import math
+import mmap
 import os
 import struct
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +29,7 @@ import torch
 from torch import nn
 
 from tokenmill.arch import ArchConfig, model_class
+from tokenmill.distributed import TensorParallel
 from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 from tokenmill.models.interface import ModelOptions
 
@@ -81,11 +88,15 @@ def read_header(f: Any, path: str) -> tuple[dict[str, Any], int]:
     return header, data_start
 
 
-def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint, file by file, each read into a CPU tensor of its own."""
+def iterate_checkpoint(model_dir: str, mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint, file by file, each read into a CPU tensor of its own, or
+    with `mapped` a read-only view of the memory-mapped file (valid while the iteration is at its file)."""
     for path in checkpoint_files(model_dir):
         with open(path, "rb") as f:
             header, data_start = read_header(f, path)
+            if mapped:
+                yield from _mapped_tensors(f, header, data_start)
+                continue
             for name, info in header.items():
                 begin, end = info["data_offsets"]
                 buf = torch.empty(end - begin, dtype=torch.uint8)
@@ -93,6 +104,25 @@ def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if end > begin and f.readinto(memoryview(buf.numpy())) != end - begin:  # type: ignore[arg-type]
                     raise ValueError(f"{path} is truncated at tensor {name!r}")
                 yield name, buf.view(_ST_DTYPES[info["dtype"]]).view(info["shape"])
+
+
+def _mapped_tensors(f: Any, header: dict[str, Any], data_start: int) -> Iterator[tuple[str, torch.Tensor]]:
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        return
+    view = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        if end == begin:
+            yield name, torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
+            continue
+        with warnings.catch_warnings():  # read-only: the loaders only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+        dtype = _ST_DTYPES[info["dtype"]]
+        if (data_start + begin) % dtype.itemsize:  # a header not padded to alignment: a copy views as dtype
+            raw = raw.clone()
+        yield name, raw.view(dtype).view(info["shape"])
 
 
 @contextlib.contextmanager
@@ -106,7 +136,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
-                linear_method: LinearMethod | None = None) -> nn.Module:
+                linear_method: LinearMethod | None = None, tp: TensorParallel | None = None) -> nn.Module:
     """The registered model class for cfg, its parameters allocated on device and not initialised."""
     cls = model_class(cfg.architecture)
     # Layers skip random init, so this allocates uninitialised storage in the target dtype and touches
@@ -114,15 +144,17 @@ def build_model(cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
     # torch's symbolic-shape machinery at start-up.)
     with torch.device(device), _default_dtype(dtype):
         method = linear_method or UnquantizedLinearMethod()
-        model: nn.Module = cls(cfg, ModelOptions(dtype, method, getattr(method, "lm_head_method", None)))
+        model: nn.Module = cls(cfg, ModelOptions(dtype, method, getattr(method, "lm_head_method", None),
+                                                 tp or TensorParallel()))
     return model.requires_grad_(False)
 
 
 def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
-               linear_method: LinearMethod | None = None) -> nn.Module:
-    model = build_model(cfg, dtype, device, linear_method)
+               linear_method: LinearMethod | None = None, tp: TensorParallel | None = None) -> nn.Module:
+    model = build_model(cfg, dtype, device, linear_method, tp)
+    sharded = tp is not None and tp.size > 1
     with torch.no_grad():
-        loaded = model.load_weights(iterate_checkpoint(model_dir))  # type: ignore[operator]
+        loaded = model.load_weights(iterate_checkpoint(model_dir, mapped=sharded))  # type: ignore[operator]
         missing = missing_weights(model, loaded)
         if missing:
             raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")

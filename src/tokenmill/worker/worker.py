@@ -7,6 +7,7 @@ executor/worker contract."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from tokenmill.attention import get_backend
 from tokenmill.attention.backend import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed import TensorParallel, init_tensor_parallel
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, kv_storage_dtype
 from tokenmill.layers import use_cpu_kernels
@@ -33,18 +35,29 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """`rank` of the tensor-parallel group, which its ranks join through `distributed_init` (a file
+    path for torch.distributed's rendezvous; None for a single rank)."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init: str | None = None) -> None:
         self.config = config
+        self.rank = rank
         self.device = torch.device(config.device.device)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.model_runner: ModelRunner | None = None
-        self.init_device()
+        self.tp = TensorParallel()
+        self.init_device(distributed_init)
         self.load_model()
 
-    def init_device(self) -> None:
-        if self.device.type == "cpu":
-            torch.set_num_threads(self.config.device.num_threads or default_num_threads())
+    def init_device(self, distributed_init: str | None = None) -> None:
+        parallel = self.config.parallel
+        if self.device.type == "cpu":  # each rank its share of the threads
+            torch.set_num_threads(parallel.threads_per_rank(self.config.device.num_threads or default_num_threads()))
             keep_freed_memory()
+        if parallel.tensor_parallel_size > 1:
+            if distributed_init is None:
+                raise ValueError("a tensor-parallel worker needs its group's rendezvous (distributed_init)")
+            self.tp = init_tensor_parallel(self.rank, parallel.tensor_parallel_size, distributed_init)
+        # every rank the same seed: each samples the same tokens from the same gathered logits
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> None:
@@ -54,7 +67,7 @@ class Worker:
         use_ops = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.device.cpu_kernels
         self.ops: Any = load_cpu_kernels() if use_ops else None
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
-                                     self._linear_method())
+                                     self._linear_method(), self.tp)
         use_cpu_kernels(self.model, self.ops)
         if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers
             from tokenmill.kernels.triton.elementwise import TritonOps
@@ -76,6 +89,9 @@ class Worker:
         """Bytes of the loaded model's parameters (a tied tensor once), as they sit in memory."""
         tensors = {id(p): p for p in self.model.parameters()}.values()
         return sum(int(torch.ops.mkldnn._nbytes(p)) if p.is_mkldnn else p.numel() * p.element_size() for p in tensors)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return kv_cache_specs(self.model, self.config.cache.block_size, self.kv_dtype)
