@@ -126,6 +126,26 @@ def test_async_steps_give_the_synchronous_results_without_leaks(
     core, executor = make_core(cfg["num_blocks"], cfg["block_size"], cfg["budget"], cfg["max_num_seqs"],
                                cfg["max_model_len"])
     results: dict[str, Result] = {}
+    aborted = drive_core(core, reqs, results)
+    event(f"preempted: {core.scheduler.num_preemptions > 0}")
+    event(f"two steps in flight: {executor.max_queued == 2}")
+    for i, (_, prompt, max_tokens, _, ignore_eos, _) in enumerate(reqs):
+        rid = f"r{i}"
+        tokens, reason = reference(prompt, max_tokens, cfg["max_model_len"], ignore_eos)
+        got = results[rid].token_ids
+        if rid in aborted:  # what it got before the abort is a prefix of the full answer
+            assert results[rid].finish_reason == "abort" and tokens[:len(got)] == got
+        else:
+            assert (got, results[rid].finish_reason) == (tokens, reason)
+    assert_all_free(core)
+    core.shutdown()
+
+
+def drive_core(core: EngineCore, reqs: list[tuple[int, list[int], int, int, bool, int | None]],
+               results: dict[str, Result]) -> set[str]:
+    """Steps the core until every request is done: request i (arrival step, prompt, max_tokens, priority,
+    ignore_eos, aborted so many steps after it arrives or None) is added as r{i} at its arrival step.
+    Collects the outputs into `results`; returns the aborted requests' ids."""
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     aborts: dict[int, list[str]] = {}
     aborted: set[str] = set()
@@ -141,19 +161,8 @@ def test_async_steps_give_the_synchronous_results_without_leaks(
         if not pending and not core.has_unfinished_requests():
             break
         collect(results, core.step().outputs)
-    assert not pending
-    event(f"preempted: {core.scheduler.num_preemptions > 0}")
-    event(f"two steps in flight: {executor.max_queued == 2}")
-    for i, (_, prompt, max_tokens, _, ignore_eos, _) in enumerate(reqs):
-        rid = f"r{i}"
-        tokens, reason = reference(prompt, max_tokens, cfg["max_model_len"], ignore_eos)
-        got = results[rid].token_ids
-        if rid in aborted:  # what it got before the abort is a prefix of the full answer
-            assert results[rid].finish_reason == "abort" and tokens[:len(got)] == got
-        else:
-            assert (got, results[rid].finish_reason) == (tokens, reason)
-    assert_all_free(core)
-    core.shutdown()
+    assert not pending and not core.has_unfinished_requests()
+    return aborted
 
 
 def test_no_step_is_scheduled_past_max_tokens() -> None:

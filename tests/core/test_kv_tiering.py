@@ -18,7 +18,7 @@ from tokenmill.core.kv_disk_tier import DiskTier
 from tokenmill.core.kv_offload import KVOffloadStore
 from tokenmill.core.sched_output import ModelRunnerOutput
 
-from .test_async_scheduling import assert_all_free, collect, make_core, reference, request
+from .test_async_scheduling import assert_all_free, drive_core, make_core, reference
 from .test_scheduler import FakeRunner, PreparedStep, Result, workloads
 
 EMPTY = (-1, -1)
@@ -79,7 +79,7 @@ def test_tiered_workloads_give_the_reference_results_without_leaks(
         store = KVOffloadStore(runner.block_nbytes(), memory_blocks * runner.block_nbytes(), disk)
         core.scheduler.set_kv_offload(store, swap)
         results: dict[str, Result] = {}
-        aborted = drive(core, reqs, results)
+        aborted = drive_core(core, reqs, results)
         store.close()
     for i, (_, prompt, max_tokens, _, ignore_eos, _) in enumerate(reqs):
         tokens, reason = reference(prompt, max_tokens, cfg["max_model_len"], ignore_eos)
@@ -96,30 +96,6 @@ def test_tiered_workloads_give_the_reference_results_without_leaks(
     core.shutdown()
 
 
-def drive(core: object, reqs: list[tuple[int, list[int], int, int, bool, int | None]],
-          results: dict[str, Result]) -> set[str]:
-    from tokenmill.engine.core import EngineCore
-
-    assert isinstance(core, EngineCore)
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
-    aborts: dict[int, list[str]] = {}
-    aborted: set[str] = set()
-    for t in range(5000):
-        while pending and pending[0][1][0] <= t:
-            i, (_, prompt, max_tokens, priority, ignore_eos, abort_at) = pending.pop(0)
-            core.add_request(request(f"r{i}", prompt, float(i), max_tokens, ignore_eos, priority))
-            if abort_at is not None:
-                aborts.setdefault(t + abort_at, []).append(f"r{i}")
-        for out in core.abort_requests(aborts.pop(t, [])).outputs:
-            aborted.add(out.request_id)
-            collect(results, [out])
-        if not pending and not core.has_unfinished_requests():
-            break
-        collect(results, core.step().outputs)
-    assert not pending and not core.has_unfinished_requests()
-    return aborted
-
-
 def test_a_tight_pool_swaps_and_hits_the_second_tier() -> None:
     # 6 blocks of 4 tokens for requests that grow to 22: two admitted at once preempt each other as they
     # grow; their shared 8-token stems are evicted and found again
@@ -132,7 +108,7 @@ def test_a_tight_pool_swaps_and_hits_the_second_tier() -> None:
         store = KVOffloadStore(runner.block_nbytes(), 64 * runner.block_nbytes())
         core.scheduler.set_kv_offload(store, swap=True)
         results: dict[str, Result] = {}
-        drive(core, reqs, results)
+        drive_core(core, reqs, results)
         for i, (_, prompt, max_tokens, _, _, _) in enumerate(reqs):
             assert results[f"r{i}"].token_ids == reference(prompt, max_tokens, 24, True)[0]
         stats = core.scheduler.stats()
