@@ -93,6 +93,29 @@ def _pv(p, v, q, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _tile_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+             stride_sb, stride_ss, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """K and V [TILE_N, BLOCK_D] of one kv head at positions `pos` of a sequence (its block table row at
+    table_ptr), zero where not `valid`."""
+    blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = pos % BLOCK_SIZE
+    k = _load_kv(kc_ptr, ks_ptr, blk, off, kvh, d, valid, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+                 HEAD_DIM, QUANT)
+    v = _load_kv(vc_ptr, vs_ptr, blk, off, kvh, d, valid, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+                 HEAD_DIM, QUANT)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, v, q, DOT_F32: tl.constexpr):
+    """Flash attention's running max, sum and output after one tile of masked scores `s` and its values."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _pv(p, v, q, DOT_F32)
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
         scale, softcap, window, num_splits,
@@ -125,20 +148,11 @@ def _decode_split_kernel(
     for t in range(t0, t1):
         pos = t * TILE_N + tl.arange(0, TILE_N)
         valid = (pos < ctx) & (pos >= lo)
-        blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = pos % BLOCK_SIZE
-        k = _load_kv(kc_ptr, ks_ptr, blk, off, kvh, d, valid, stride_cb, stride_cs, stride_ch, stride_sb,
-                     stride_ss, HEAD_DIM, QUANT)
-        v = _load_kv(vc_ptr, vs_ptr, blk, off, kvh, d, valid, stride_cb, stride_cs, stride_ch, stride_sb,
-                     stride_ss, HEAD_DIM, QUANT)
+        k, v = _tile_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, tables_ptr + b * stride_tb, pos, valid, kvh, d, stride_cb,
+                        stride_cs, stride_ch, stride_sb, stride_ss, BLOCK_SIZE, HEAD_DIM, QUANT)
         s = _scores(q, k, scale, softcap, DOT_F32, SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _pv(p, v, q, DOT_F32)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, q, DOT_F32)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if DIRECT:  # one split: the output itself
@@ -248,23 +262,14 @@ def _prefill_kernel(
     for start in range((lo // TILE_N) * TILE_N, hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         valid = pos < hi
-        blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = pos % BLOCK_SIZE
-        k = _load_kv(kc_ptr, ks_ptr, blk, off, kvh, d, valid, stride_cb, stride_cs, stride_ch, stride_sb,
-                     stride_ss, HEAD_DIM, QUANT)
-        v = _load_kv(vc_ptr, vs_ptr, blk, off, kvh, d, valid, stride_cb, stride_cs, stride_ch, stride_sb,
-                     stride_ss, HEAD_DIM, QUANT)
+        k, v = _tile_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, tables_ptr + b * stride_tb, pos, valid, kvh, d, stride_cb,
+                        stride_cs, stride_ch, stride_sb, stride_ss, BLOCK_SIZE, HEAD_DIM, QUANT)
         s = _scores(q, k, scale, softcap, DOT_F32, SOFTCAP)
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW:
             seen = seen & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _pv(p, v, q, DOT_F32)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, q, DOT_F32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
