@@ -158,7 +158,8 @@ class Scheduler:
         sampling: list[Request] = []  # the requests whose tokens this step reaches the end of
         self._make_room_for_higher_classes()
         self.running.sort(key=lambda r: r.priority_class)  # stable: the budget goes to higher classes first
-        top = min((r.priority_class for r in (*self.running, *self.waiting)), default=0)
+        # the highest class present (the lowest number): running is sorted by class now, waiting always is
+        top = min((q[0].priority_class for q in (self.running, self.waiting) if q), default=0)
         lower_left = self.config.lower_class_step_tokens  # the lower classes' share while `top` is present
 
         def allowed(req: Request) -> int:
@@ -283,7 +284,7 @@ class Scheduler:
         if not self.running or not self.waiting:
             return
         lowest = max(r.priority_class for r in self.running)
-        if all(r.priority_class >= lowest for r in self.waiting):
+        if self.waiting[0].priority_class >= lowest:  # (waiting is sorted by class first)
             return  # nothing waiting outranks anything running (always so with one class of traffic)
         budget = self.config.max_num_batched_tokens
         seats = self.config.max_num_seqs - len(self.running)
