@@ -33,6 +33,9 @@ int64_t packed_gemv_bytes(int64_t N, int64_t K);
 // The most rows of in_features columns for which packed_gemv_at is the kernel to use (beyond them,
 // oneDNN's on the same packed weight is faster); 0 where it is not built
 int64_t packed_gemv_max_rows(int64_t in_features);
+// Whether this process may run AMX-BF16 instructions: the CPU has them (CPUID) and Linux granted the
+// tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process, as oneDNN asks too). roofline/peak.cpp.
+bool amx_bf16_permitted();
 
 // x [M, K] (any M, contiguous) times the packed [N, K] weight at w, plus bias [N]: [M, N]; all bf16.
 // Checks x and bias; w is trusted (the op checks its packed size, decode_layers gets it from

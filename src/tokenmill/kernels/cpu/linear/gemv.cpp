@@ -9,7 +9,7 @@
 //   cache as in a model's step (tools/linear_bench.py; bench/README.md, 'Measurements behind the code').
 //   The weight block must fit in L2 beside the prefetched next one, so for K over kTiledMaxK (the 1.1B
 //   model's down projection) oneDNN keeps more than 4 rows.
-// - Where the CPU has AMX-BF16 and the OS enables its tile state, oneDNN's AMX kernels outrun both loops
+// - Where this process may run AMX-BF16 (tokenmill::amx_bf16_permitted), oneDNN's AMX kernels outrun both loops
 //   from a few rows up (4 rows: 1.2-1.5x faster; 64 rows: 9-13x, on an AMX Xeon), so this kernel keeps only
 //   up to kGemvRowsAmx rows there, where reading the weight is all the work.
 //
@@ -31,7 +31,6 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <cpuid.h>
 #include <immintrin.h>
 
 namespace {
@@ -185,26 +184,12 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
 
 bool has_packed_gemv() { return true; }
 
-// AMX-BF16 in CPUID and the tile state (XTILECFG, XTILEDATA) enabled in XCR0 by the OS: oneDNN runs
-// bf16 matrix products on the tiles then
-bool amx_bf16_usable() {
-  static const bool usable = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22))) return false;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv works
-    unsigned lo = 0, hi = 0;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return (lo & (3u << 17)) == (3u << 17);
-  }();
-  return usable;
-}
-
 }  // namespace
 
 int64_t tokenmill::packed_gemv_bytes(int64_t N, int64_t K) { return padded(N, kBlockN) * padded(K, kBlockK) * 2; }
 
 int64_t tokenmill::packed_gemv_max_rows(int64_t K) {
-  if (amx_bf16_usable()) return kGemvRowsAmx;
+  if (tokenmill::amx_bf16_permitted()) return kGemvRowsAmx;
   return padded(K, kBlockK) <= kTiledMaxK ? std::numeric_limits<int64_t>::max() : kGemvRows;
 }
 
@@ -258,8 +243,6 @@ at::Tensor packed_gemv(const at::Tensor&, const at::Tensor&, const c10::optional
 
 bool has_packed_gemv() { return false; }
 
-bool amx_bf16_usable() { return false; }
-
 }  // namespace
 
 int64_t tokenmill::packed_gemv_bytes(int64_t, int64_t) { TORCH_CHECK(false, "built without AVX512-BF16"); }
@@ -275,7 +258,7 @@ at::Tensor tokenmill::packed_gemv_at(const uint16_t*, const at::Tensor&, int64_t
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("has_packed_gemv() -> bool", &has_packed_gemv);
   m.def("packed_gemv_max_rows(int in_features) -> int", &tokenmill::packed_gemv_max_rows);
-  m.def("gemv_sees_amx_bf16() -> bool", &amx_bf16_usable);  // whether packed_gemv_max_rows yields to AMX
+  m.def("gemv_sees_amx_bf16() -> bool", &tokenmill::amx_bf16_permitted);  // whether packed_gemv_max_rows yields to AMX
   m.def("packed_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 

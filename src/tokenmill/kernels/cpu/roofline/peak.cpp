@@ -4,11 +4,14 @@
 // Each op runs on `threads` OpenMP threads and returns the rate over the whole parallel region
 // (FLOP/s or bytes/s), or 0 where the instructions are not built or not usable on this CPU.
 #include <ATen/ATen.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
 #include <torch/library.h>
 #include <unistd.h>
+
+#include "kernels.h"
 
 #include <chrono>
 #include <cstdint>
@@ -63,12 +66,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// Linux hands out the AMX tile state only on request (once per process)
-bool amx_permitted() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 // 16384 FLOPs per tdpbf16ps (16 x 16 fp32 outputs, each a 32-deep bf16 dot product); four
 // accumulator tiles over two A and two B tiles, as a GEMM micro-kernel holds them
@@ -125,7 +122,7 @@ double roofline_peak(std::string kind, int64_t iters, int64_t threads) {
   const PeakLoop p = peak_loop(kind);
   if (p.loop == nullptr) return 0.0;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (kind == "amx_bf16" && !amx_permitted()) return 0.0;
+  if (kind == "amx_bf16" && !tokenmill::amx_bf16_permitted()) return 0.0;
 #endif
   volatile float sink = 0.0f;
   double elapsed = 0.0;
@@ -190,6 +187,18 @@ double roofline_stream_read(const at::Tensor& buf, int64_t threads) {
 }
 
 }  // namespace
+
+
+bool tokenmill::amx_bf16_permitted() {
+  static const bool permitted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22))) return false;  // AMX-BF16
+    // Linux hands out the AMX tile state only on request
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("roofline_peak(str kind, int iters, int threads) -> float", &roofline_peak);
