@@ -97,6 +97,15 @@ def test_random_and_shared_prefix_datasets() -> None:
     assert c.prompt[: len(b.prompt)] == b.prompt and len(c.prompt) == 18 + 4 + 4
     with pytest.raises(ValueError, match="prefix-len"):
         shared_prefix_chains(2, "4", "4", (10, 100), 0, maker, prefix_len=5, num_prefixes=1, turns=1)
+    drawn = shared_prefix_chains(64, "10", "2", (10, 1000), 0, maker, prefix_len=6, num_prefixes=4, turns=1,
+                                 prefix_order="random")
+    prefixes = [tuple(c[0].prompt[:6]) for c in drawn]
+    assert len(set(prefixes)) == 4 and prefixes[0::2] != prefixes[1::2] and len(set(prefixes[0::4])) > 1
+    assert drawn == shared_prefix_chains(64, "10", "2", (10, 1000), 0, maker, prefix_len=6, num_prefixes=4,
+                                         turns=1, prefix_order="random")  # deterministic
+    with pytest.raises(ValueError, match="prefix-order"):
+        shared_prefix_chains(2, "4", "4", (10, 100), 0, maker, prefix_len=2, num_prefixes=1, turns=1,
+                             prefix_order="shuffled")
 
 
 def test_serve_against_fake_server(server: FakeOpenAIServer, tmp_path: Path,

@@ -55,6 +55,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: tokens of each shared prefix")
     p.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
     p.add_argument("--turns", type=int, default=1, help="shared-prefix: turns per conversation")
+    p.add_argument("--prefix-order", default="cycle", choices=["cycle", "random"],
+                   help="shared-prefix: conversation c takes prefix c mod --num-prefixes (cycle), or one drawn "
+                        "at random (random: no rotation of replicas lines up with the prefixes)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, or inf (all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps: 1 = Poisson, <1 burstier, inf = constant rate")
@@ -101,7 +104,7 @@ def build_chains(args: argparse.Namespace) -> list[Chain]:
             chains = random_chains(num, args.input_len, args.output_len, vocab, args.seed, maker)
         else:
             chains = shared_prefix_chains(num, args.input_len, args.output_len, vocab, args.seed, maker,
-                                          args.prefix_len, args.num_prefixes, args.turns)
+                                          args.prefix_len, args.num_prefixes, args.turns, args.prefix_order)
     if "chat" in args.endpoint and any(not isinstance(r.prompt, str) for c in chains for r in c):
         raise ValueError("the chat endpoint needs text prompts: pass --tokenizer DIR or a JSONL with 'prompt'")
     return chains
@@ -214,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         "prefix_len": args.prefix_len if args.dataset == "shared-prefix" else None,
         "num_prefixes": args.num_prefixes if args.dataset == "shared-prefix" else None,
         "turns": args.turns if args.dataset == "shared-prefix" else None,
+        "prefix_order": args.prefix_order if args.dataset == "shared-prefix" else None,
         "slo": slo or None, **summary,
     }
     if "batch_output_throughput_during_online" in figures and args.capacity:
