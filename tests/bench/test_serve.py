@@ -187,8 +187,12 @@ def test_server_prefix_counters_are_read_by_either_name_and_summed() -> None:
             'tokenmill:prefix_cache_hits_total{model_name="m"} 40.0\n'
             'vllm:prefix_cache_queries_total{model_name="m"} 100.0\n'
             'tokenmill:kv_offload_hits_total{model_name="m",tier="memory"} 8.0\n'
-            'tokenmill:kv_offload_hits_total{model_name="m",tier="disk"} 2.0\n')
-    assert parse_counters(ours) == {"queries": 100.0, "hits": 40.0, "tier_memory": 8.0, "tier_disk": 2.0}
+            'tokenmill:kv_offload_hits_total{model_name="m",tier="disk"} 2.0\n'
+            'tokenmill:num_preemptions_total{model_name="m"} 3.0\n'
+            'tokenmill:num_swapped_total{direction="out",model_name="m"} 2.0\n'
+            'tokenmill:num_swapped_total{direction="in",model_name="m"} 1.0\n')
+    assert parse_counters(ours) == {"queries": 100.0, "hits": 40.0, "tier_memory": 8.0, "tier_disk": 2.0,
+                                    "preemptions": 3.0, "swapped": 2.0}
     vllm = 'vllm:prefix_cache_queries_total{model_name="m"} 50.0\nvllm:prefix_cache_hits_total{model_name="m"} 5.0\n'
     assert parse_counters(vllm) == {"queries": 50.0, "hits": 5.0}
     before = [{"queries": 10.0, "hits": 0.0, "tier_memory": 0.0}, {"queries": 0.0, "hits": 0.0}, None]
@@ -197,6 +201,7 @@ def test_server_prefix_counters_are_read_by_either_name_and_summed() -> None:
     assert got["server_metrics_read"] == 2 and got["server_prefix_query_tokens"] == 200
     assert got["server_prefix_cache_hit_rate"] == 0.3 and got["server_kv_offload_hit_tokens"] == {"memory": 30}
     assert got["server_hit_rate_with_tiers"] == 0.45
+    assert got["server_preemptions"] is None and got["server_swapped_out"] is None
     assert summarize_counters([None], [None]) == {"server_prefix_cache_hit_rate": None}
 
 
