@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 from tests.entrypoints.server import RemoteServer
@@ -96,6 +97,14 @@ def test_json_object_and_vllm_extras(server: RemoteServer) -> None:
     text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
                    for line in r.text.splitlines() if line.startswith("data: {") and '"choices":[{' in line)
     jsonschema.validate(json.loads(text), PERSON)
+    # /metrics counts the constrained requests by kind and the grammars compiled
+    with server.client() as c:
+        families = text_string_to_metric_families(c.get("/metrics").text)
+        metrics = {(s.name, s.labels.get("kind")): s.value for family in families for s in family.samples}
+    for kind, n in (("json_object", 1), ("choice", 4), ("regex", 1), ("grammar", 1), ("json", 1)):
+        assert metrics[("tokenmill:structured_output_requests_total", kind)] >= n, kind
+    assert metrics[("tokenmill:grammar_compilations_total", None)] >= 4  # the four kinds' grammars differ
+    assert metrics[("tokenmill:grammar_compile_seconds_total", None)] > 0
 
 
 @pytest.mark.parametrize(("body", "param", "says"), [

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tokenmill.core.messages import SchedulerStats
 from tokenmill.core.request import Request
 from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -57,6 +58,11 @@ def test_a_request_is_ready_once_its_grammar_is_compiled_in_the_pool(tokenizer: 
     gate.set()
     ready(b, req)
     assert b.is_ready(twin) and len(b.compile_seconds) == 1  # one compilation for both
+    stats = SchedulerStats()
+    b.count_into(stats)  # the metrics' counters: two requests, one compilation
+    assert stats.structured_requests == {"regex": 2} and stats.grammar_compiles == 1
+    assert stats.grammar_compile_seconds == pytest.approx(sum(b.compile_seconds.values()))
+    assert not stats.structured_failed
     for regex in ("a", "b"):  # an LRU of two: "[0-9]+" is pushed out
         b.compile(grammar_key(StructuredOutputsParams(regex=regex))).result(timeout=60)
     assert grammar_key(StructuredOutputsParams(regex="[0-9]+")) not in b._compiled
@@ -70,6 +76,9 @@ def test_a_grammar_that_cannot_be_built_is_a_value_error(tokenizer: Any) -> None
         b.compile(grammar_key(req.sampling_params.structured_outputs)).result(timeout=60)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="invalid grammar"):
         b.is_ready(req)
+    stats = SchedulerStats()
+    b.count_into(stats)
+    assert stats.structured_failed == 1 and stats.grammar_compiles == 1 and stats.structured_requests == {}
 
 
 def test_rows_for_drafts_validate_and_rollback(tokenizer: Any) -> None:

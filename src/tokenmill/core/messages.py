@@ -98,6 +98,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_offload_disk_blocks: int = 0
     kv_offload_disk_used_bytes: int = 0
     kv_offload_disk_capacity_bytes: int = 0
+    # structured output, cumulative: constrained requests by kind (json, regex, choice, grammar, ...)
+    # whose grammar was ready, those whose grammar failed to build, grammars compiled and their seconds
+    structured_requests: dict[str, int] = msgspec.field(default_factory=dict)
+    structured_failed: int = 0
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
     step: StepStats | None = None
 
 

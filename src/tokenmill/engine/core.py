@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_offload import kv_offload_store
-from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
@@ -67,7 +67,7 @@ class EngineCore:
                                            req.priority_class, req.group, req.hold_kv, req.kv_parent))
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
-        return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.stats(), time.time())
+        return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self._stats(), time.time())
 
     def step(self) -> EngineCoreOutputs:
         """Run one step and return its outputs. With async scheduling the next step is scheduled, its
@@ -169,10 +169,16 @@ class EngineCore:
             if self._meter is not None:
                 self._meter.finished(so)
         scheduled, self._scheduled = self._scheduled, {}
+        return EngineCoreOutputs(outputs, self._stats(), time.time(), scheduled)
+
+    def _stats(self) -> SchedulerStats:
+        """The scheduler's stats with the step meter's and the grammar backend's counters."""
         stats = self.scheduler.stats()
         if self._meter is not None:
             stats.step = self._meter.snapshot()
-        return EngineCoreOutputs(outputs, stats, time.time(), scheduled)
+        if isinstance(self.scheduler.structured_output, XGrammarBackend):
+            self.scheduler.structured_output.count_into(stats)
+        return stats
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight or self._failed) or self.scheduler.has_unfinished_requests()

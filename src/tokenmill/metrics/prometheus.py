@@ -103,6 +103,16 @@ class EngineMetrics:
                                     "checks (recomputed, deleted).", lab, registry=reg)
         self.swaps = Counter("tokenmill:num_swapped", "Preempted requests swapped out of the KV cache and back "
                              "in (--preemption-mode swap).", ["model_name", "direction"], registry=reg)
+        self.structured = Counter("tokenmill:structured_output_requests", "Requests constrained by structured "
+                                  "output (response_format, tools, structured_outputs) whose grammar was ready, by "
+                                  "kind (json, json_object, regex, choice, grammar).",
+                                  ["model_name", "kind"], registry=reg)
+        self.structured_failed = Counter("tokenmill:structured_output_failed_requests", "Constrained requests "
+                                         "whose grammar could not be built (ended with the error).", lab, registry=reg)
+        self.grammar_compiles = Counter("tokenmill:grammar_compilations", "Grammars compiled (requests whose "
+                                        "grammar was cached take none).", lab, registry=reg)
+        self.grammar_seconds = Counter("tokenmill:grammar_compile_seconds", "Seconds spent compiling grammars "
+                                       "(in the compile thread, off the step loop).", lab, registry=reg)
         self._requests: dict[str, _RequestTimes] = {}
         self._last_stats = SchedulerStats()
         self.tracer: RequestTracer | None = None  # set by --otlp-traces-endpoint
@@ -189,6 +199,8 @@ class EngineMetrics:
             self._spec_stats(stats, last)
         if stats.kv_offload_bytes_offloaded or stats.kv_offload_bytes_loaded or stats.kv_offload_corrupt_blocks:
             self._tier_stats(stats, last)
+        if stats.structured_requests or stats.structured_failed or stats.grammar_compiles:
+            self._structured_stats(stats, last)
         self._last_stats = stats
 
     def _tier_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
@@ -203,6 +215,14 @@ class EngineMetrics:
         ):
             counter.labels(m, label).inc(max(0, now - before))
         self.tier_corrupt.labels(m).inc(max(0, stats.kv_offload_corrupt_blocks - last.kv_offload_corrupt_blocks))
+
+    def _structured_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
+        m = self.model_name
+        for kind, n in stats.structured_requests.items():
+            self.structured.labels(m, kind).inc(max(0, n - last.structured_requests.get(kind, 0)))
+        self.structured_failed.labels(m).inc(max(0, stats.structured_failed - last.structured_failed))
+        self.grammar_compiles.labels(m).inc(max(0, stats.grammar_compiles - last.grammar_compiles))
+        self.grammar_seconds.labels(m).inc(max(0.0, stats.grammar_compile_seconds - last.grammar_compile_seconds))
 
     def _spec_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         m = self.model_name

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tokenmill.core.messages import SchedulerStats
 from tokenmill.core.request import Request
 from tokenmill.core.structured_output import GrammarBitmasks, bitmask_words
 from tokenmill.structured.bitmask import pack_allowed
@@ -71,6 +72,11 @@ class XGrammarBackend:
         self._compiled: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._matchers: dict[str, _Matcher] = {}
         self.compile_seconds: dict[GrammarKey, float] = {}  # per grammar compiled (the first one includes setup)
+        # cumulative, for the metrics: constrained requests by kind, failed grammars, compilations
+        self.num_requests: dict[str, int] = {}
+        self.num_failed = 0
+        self.num_compiles = 0
+        self.compile_seconds_total = 0.0
 
     # ---- compilation -----------------------------------------------------------------------
     def compile(self, key: GrammarKey) -> Future[xgr.CompiledGrammar]:
@@ -92,8 +98,13 @@ class XGrammarBackend:
 
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        compiled = self._compiler.compile_grammar(build_grammar(key))
-        self.compile_seconds[key] = time.perf_counter() - start
+        try:
+            compiled = self._compiler.compile_grammar(build_grammar(key))
+        finally:
+            seconds = time.perf_counter() - start
+            self.num_compiles += 1  # the pool's one thread writes these; the step loop reads them
+            self.compile_seconds_total += seconds
+        self.compile_seconds[key] = seconds
         return compiled
 
     # ---- the StructuredOutput seam -----------------------------------------------------------
@@ -106,8 +117,10 @@ class XGrammarBackend:
             return False
         error = future.exception()
         if error is not None:
+            self.num_failed += 1  # the request ends with the error: asked once
             raise error if isinstance(error, ValueError) else ValueError(f"structured output: {error}")
         self._matchers[request.request_id] = self._new_matcher(future.result(), request)
+        self.num_requests[params.kind] = self.num_requests.get(params.kind, 0) + 1
         return True
 
     def _new_matcher(self, compiled: xgr.CompiledGrammar, request: Request) -> _Matcher:
@@ -118,6 +131,12 @@ class XGrammarBackend:
             matcher.accept_token(tok)
         return _Matcher(matcher, pack_allowed(matcher.stop_token_ids, self.vocab_size),
                         num_accepted=len(request.output_token_ids))
+
+    def count_into(self, stats: SchedulerStats) -> None:
+        stats.structured_requests = dict(self.num_requests)
+        stats.structured_failed = self.num_failed
+        stats.grammar_compiles = self.num_compiles
+        stats.grammar_compile_seconds = self.compile_seconds_total
 
     def grammar_bitmask(self, requests: Sequence[Request],
                         drafts: Mapping[str, list[int]]) -> GrammarBitmasks:
