@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_offload import kv_offload_store
+from tokenmill.core.kv_transfer import KVTransfer
 from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -21,12 +22,14 @@ from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.engine.step_meter import StepMeter
 from tokenmill.executor import create_executor
 from tokenmill.executor.abstract import Executor, WorkerDied
+from tokenmill.kv_transfer import KVConnector, create_connector
 from tokenmill.metrics.step_cost import model_cost
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # steps in a row that may fail before the engine core gives up
 IDLE_WAIT_S = 0.001  # a step that scheduled nothing while requests wait sleeps this long
+KV_WAIT_S = 0.01  # with nothing to run but KV transfers, a step waits this long for their messages
 
 
 class EngineCore:
@@ -53,6 +56,19 @@ class EngineCore:
         self.scheduler.set_structured_output(XGrammarBackend(
             functools.partial(load_tokenizer, config.model.tokenizer), config.model.arch.vocab_size))
         self.num_blocks = num_blocks
+        self.kv_connector: KVConnector | None = None
+        self.kv_transfer: KVTransfer | None = None
+        if config.kv_transfer is not None:
+            tc = config.kv_transfer
+            self.kv_transfer = self.scheduler.set_kv_transfer(
+                kv_config.bytes_per_block, producer=tc.is_producer, consumer=tc.is_consumer,
+                transfer_timeout_s=tc.extra("transfer_timeout_s"), hold_timeout_s=tc.extra("hold_timeout_s"),
+                blocks_per_step=int(tc.extra("blocks_per_step")))
+            try:
+                self.kv_connector = create_connector(tc)
+            except BaseException:
+                self.executor.shutdown()
+                raise
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
         self._failed: list[EngineCoreOutput] = []  # requests of failed steps, not yet reported
@@ -62,9 +78,39 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already running")
+        transfer = req.kv_transfer
+        if transfer is not None:
+            role = self.config.kv_transfer
+            if transfer.do_remote_decode and (role is None or not role.is_producer):
+                raise ValueError("do_remote_decode: this instance is not a KV producer (start it with "
+                                 "--kv-transfer-config '{\"kv_role\": \"kv_producer\"}' or kv_both)")
+            if transfer.do_remote_prefill and (role is None or not role.is_consumer):
+                raise ValueError("do_remote_prefill: this instance is not a KV consumer (start it with "
+                                 "--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}' or kv_both)")
+        hold = req.hold_kv or (transfer is not None and transfer.do_remote_decode)
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                            req.eos_token_ids, req.arrival_time or None, req.priority,
-                                           req.priority_class, req.group, req.hold_kv, req.kv_parent))
+                                           req.priority_class, req.group, hold, req.kv_parent, transfer))
+
+    # ---- KV transfer ----------------------------------------------------------------------
+    def pump_kv_transfer(self) -> None:
+        """Take in the KV transfer messages that came, end the transfers past their timeouts, let the requests
+        whose blocks are in go on, and send what the scheduler has for other instances."""
+        if self.kv_connector is None or self.kv_transfer is None:
+            return
+        self.kv_transfer.receive(self.kv_connector.receive())
+        self.kv_transfer.expire()
+        self.scheduler.finish_pulls()
+        self._flush_kv()
+
+    def _flush_kv(self) -> None:
+        if self.kv_connector is None or self.kv_transfer is None or not self.kv_transfer.outbox:
+            return
+        for tid in self.kv_connector.send(self.kv_transfer.take_outbox()):
+            self.kv_transfer.peer_gone(tid)
+
+    def kv_pollables(self) -> list[object]:
+        return self.kv_connector.pollables() if self.kv_connector is not None else []
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.stats(), time.time())
@@ -80,6 +126,12 @@ class EngineCore:
         one at a time (those in flight are drained first); otherwise they overlap and propose nothing,
         and a step that verifies drafts (the first after a switch) is never overlapped, since how many
         tokens it takes is not known when the next would be scheduled."""
+        if self.kv_connector is not None:
+            if self.scheduler.only_pulling() and not self._in_flight:
+                self.kv_connector.wait(KV_WAIT_S)
+            self.pump_kv_transfer()
+            if self.scheduler.only_pulling() and not self._in_flight:
+                return self._outputs(None, None)
         if not self.config.scheduler.async_scheduling or self._speculating():
             if self._in_flight:
                 return self._finish_in_flight()
@@ -168,6 +220,7 @@ class EngineCore:
             self._failed_steps = 0
             if self._meter is not None:
                 self._meter.finished(so)
+        self._flush_kv()  # the blocks the step read out for consumers
         scheduled, self._scheduled = self._scheduled, {}
         stats = self.scheduler.stats()
         if self._meter is not None:
@@ -191,6 +244,12 @@ class EngineCore:
         if isinstance(self.scheduler.structured_output, XGrammarBackend):
             self.scheduler.structured_output.shutdown()
         self.close_kv_offload()
+        self.close_kv_transfer()
+
+    def close_kv_transfer(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
 
     def close_kv_offload(self) -> None:
         """Write the disk tier's queued blocks and stop its thread (a warm restart finds them)."""
