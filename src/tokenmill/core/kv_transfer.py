@@ -386,16 +386,20 @@ class KVTransfer:
             elif isinstance(msg, KVError):
                 self.on_error(msg)
 
-    def expire(self) -> None:
-        """Holds nobody pulled in time are freed; pulls the producer went quiet on fail."""
+    def expire(self) -> bool:
+        """Holds nobody pulled in time are freed; pulls the producer went quiet on fail. Whether any did."""
         now = self.clock()
+        expired = False
         for tid, held in list(self.held.items()):
             if held.peer is None and now > held.deadline:
                 self._end_held(tid)
+                expired = True
         for pull in list(self.pulls.values()):
             if now > pull.deadline:
                 self._fail(pull, f"no word from the producer at {pull.host}:{pull.port} for "
                                  f"{self.transfer_timeout_s:g}s")
+                expired = True
+        return expired
 
     def has_sends(self) -> bool:
         return any(h.queue for h in self.held.values())

@@ -93,15 +93,22 @@ class EngineCore:
                                            req.priority_class, req.group, hold, req.kv_parent, transfer))
 
     # ---- KV transfer ----------------------------------------------------------------------
-    def pump_kv_transfer(self) -> None:
+    def pump_kv_transfer(self) -> bool:
         """Take in the KV transfer messages that came, end the transfers past their timeouts, let the requests
-        whose blocks are in go on, and send what the scheduler has for other instances."""
+        whose blocks are in go on, and send what the scheduler has for other instances; whether anything
+        happened (an idle core then reports its stats: held blocks may have been freed)."""
         if self.kv_connector is None or self.kv_transfer is None:
-            return
-        self.kv_transfer.receive(self.kv_connector.receive())
-        self.kv_transfer.expire()
+            return False
+        messages = self.kv_connector.receive()
+        self.kv_transfer.receive(messages)
+        expired = self.kv_transfer.expire()
         self.scheduler.finish_pulls()
         self._flush_kv()
+        return bool(messages) or expired
+
+    def idle_outputs(self) -> EngineCoreOutputs:
+        """No outputs, the stats as they are now."""
+        return EngineCoreOutputs([], self.scheduler.stats(), time.time())
 
     def _flush_kv(self) -> None:
         if self.kv_connector is None or self.kv_transfer is None or not self.kv_transfer.outbox:

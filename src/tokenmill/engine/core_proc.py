@@ -117,8 +117,8 @@ class CoreLoop:
             events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
             if self.inp in events:
                 self._drain()
-            if kv_sockets and not busy:
-                self.core.pump_kv_transfer()  # (a busy core pumps in its step)
+            if kv_sockets and not busy and self.core.pump_kv_transfer():  # (a busy core pumps in its step)
+                self._send(self.core.idle_outputs())
             if time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
                 if os.getppid() != self.parent_pid:

@@ -103,6 +103,14 @@ class EngineMetrics:
                                     "checks (recomputed, deleted).", lab, registry=reg)
         self.swaps = Counter("tokenmill:num_swapped", "Preempted requests swapped out of the KV cache and back "
                              "in (--preemption-mode swap).", ["model_name", "direction"], registry=reg)
+        self.transfer_bytes = Counter("tokenmill:kv_transfer_bytes", "KV bytes sent to consumers (a KV producer) "
+                                      "and received from producers (a KV consumer), disaggregated prefill/decode.",
+                                      ["model_name", "direction"], registry=reg)
+        self.transfer_seconds = Counter("tokenmill:kv_transfer_seconds", "A KV consumer's seconds from asking for "
+                                        "a prompt's blocks to the last one in, summed over transfers.", lab,
+                                        registry=reg)
+        self.transfer_failures = Counter("tokenmill:kv_transfer_failures", "KV pulls that failed (the consumer "
+                                         "computed the prompt itself).", lab, registry=reg)
         self._requests: dict[str, _RequestTimes] = {}
         self._last_stats = SchedulerStats()
         self.tracer: RequestTracer | None = None  # set by --otlp-traces-endpoint
@@ -189,6 +197,12 @@ class EngineMetrics:
             self._spec_stats(stats, last)
         if stats.kv_offload_bytes_offloaded or stats.kv_offload_bytes_loaded or stats.kv_offload_corrupt_blocks:
             self._tier_stats(stats, last)
+        if stats.kv_transfer_bytes_sent or stats.kv_transfer_bytes_received or stats.kv_transfer_failures:
+            self.transfer_bytes.labels(m, "sent").inc(max(0, stats.kv_transfer_bytes_sent - last.kv_transfer_bytes_sent))
+            self.transfer_bytes.labels(m, "received").inc(
+                max(0, stats.kv_transfer_bytes_received - last.kv_transfer_bytes_received))
+            self.transfer_seconds.labels(m).inc(max(0.0, stats.kv_transfer_seconds - last.kv_transfer_seconds))
+            self.transfer_failures.labels(m).inc(max(0, stats.kv_transfer_failures - last.kv_transfer_failures))
         self._last_stats = stats
 
     def _tier_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
