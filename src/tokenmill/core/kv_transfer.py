@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
 
 import msgspec
 
@@ -75,7 +74,7 @@ class KVError(msgspec.Struct, tag=True):
     message: str
 
 
-KVMessage = Union[KVPull, KVRelease, KVHeader, KVBlock, KVError]
+KVMessage = KVPull | KVRelease | KVHeader | KVBlock | KVError
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-
 from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams

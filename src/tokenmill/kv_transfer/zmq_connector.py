@@ -15,14 +15,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from tokenmill.core.kv_transfer import KVBlock, Incoming, KVMessage, Outgoing
+from tokenmill.core.kv_transfer import Incoming, KVBlock, KVMessage, Outgoing
 from tokenmill.kv_transfer.base import KVConnector
 from tokenmill.kv_transfer_config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
 _encode = msgspec.msgpack.Encoder().encode
-_decoder: msgspec.msgpack.Decoder[KVMessage] = msgspec.msgpack.Decoder(KVMessage)  # type: ignore[arg-type]
+_decoder: msgspec.msgpack.Decoder[KVMessage] = msgspec.msgpack.Decoder(KVMessage)
 
 
 class ZMQConnector(KVConnector):
@@ -69,7 +69,7 @@ class ZMQConnector(KVConnector):
 
     @staticmethod
     def _drain(sock: zmq.Socket[bytes], routed: bool) -> list[Incoming]:
-        out = []
+        out: list[Incoming] = []
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)

@@ -198,7 +198,8 @@ class EngineMetrics:
         if stats.kv_offload_bytes_offloaded or stats.kv_offload_bytes_loaded or stats.kv_offload_corrupt_blocks:
             self._tier_stats(stats, last)
         if stats.kv_transfer_bytes_sent or stats.kv_transfer_bytes_received or stats.kv_transfer_failures:
-            self.transfer_bytes.labels(m, "sent").inc(max(0, stats.kv_transfer_bytes_sent - last.kv_transfer_bytes_sent))
+            self.transfer_bytes.labels(m, "sent").inc(
+                max(0, stats.kv_transfer_bytes_sent - last.kv_transfer_bytes_sent))
             self.transfer_bytes.labels(m, "received").inc(
                 max(0, stats.kv_transfer_bytes_received - last.kv_transfer_bytes_received))
             self.transfer_seconds.labels(m).inc(max(0.0, stats.kv_transfer_seconds - last.kv_transfer_seconds))
