@@ -28,11 +28,12 @@ PROMPTS = [PREFIX + t for t in random_prompts(3, 3, 9, seed=22)]
 _ids = itertools.count()
 
 
-def engine(model_dir: str, role: str, port: int, **extra: Any) -> LLMEngine:
+def engine(model_dir: str, role: str, port: int, block_size: int = BLOCK, async_scheduling: bool = False,
+           **extra: Any) -> LLMEngine:
     config = {"kv_role": role, "kv_port": port, "kv_connector_extra_config": extra}
-    return LLMEngine.from_engine_args(EngineArgs(model=model_dir, dtype="float32", block_size=BLOCK,
+    return LLMEngine.from_engine_args(EngineArgs(model=model_dir, dtype="float32", block_size=block_size,
                                                  num_kv_blocks=NUM_BLOCKS, max_model_len=128,
-                                                 kv_transfer_config=config))
+                                                 async_scheduling=async_scheduling, kv_transfer_config=config))
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -79,11 +80,12 @@ def all_free(eng: LLMEngine) -> bool:
             and core.scheduler.kv.num_free_blocks == core.num_blocks)
 
 
-@pytest.fixture(scope="module")
-def pair(llama_dir: str) -> Any:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def pair(llama_dir: str, request: pytest.FixtureRequest) -> Any:
+    # with async scheduling the consumer's pulled blocks are written by a step scheduled while another runs
     port = free_port()
-    producer = engine(llama_dir, "kv_producer", port)
-    consumer = engine(llama_dir, "kv_consumer", free_port(), transfer_timeout_s=1.0)
+    producer = engine(llama_dir, "kv_producer", port, async_scheduling=request.param)
+    consumer = engine(llama_dir, "kv_consumer", free_port(), async_scheduling=request.param, transfer_timeout_s=1.0)
     yield producer, consumer, port
     producer.core.shutdown()
     consumer.core.shutdown()
@@ -220,3 +222,15 @@ def test_roles_are_checked_per_request(pair: Any) -> None:
         producer.add_request("y", {"prompt_token_ids": PROMPTS[0]}, greedy(),
                              kv=KVSharing(transfer=KVTransferParams(do_remote_prefill=True)))
     assert all_free(producer) and all_free(consumer)
+
+
+def test_other_block_layout_is_refused_and_computed_here(pair: Any, llama_dir: str, want: list[list[int]]) -> None:
+    producer, _, port = pair
+    consumer = engine(llama_dir, "kv_consumer", free_port(), block_size=2 * BLOCK)
+    try:
+        remote, _ = prefill(producer, PROMPTS[1])
+        assert decode(consumer, PROMPTS[1], remote, port, producer) == want[1]
+        assert consumer.core.scheduler.stats().kv_transfer_failures == 1
+        assert all_free(consumer) and all_free(producer)  # the producer freed the refused transfer's blocks
+    finally:
+        consumer.core.shutdown()

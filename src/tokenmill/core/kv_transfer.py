@@ -43,6 +43,7 @@ class KVPull(msgspec.Struct, tag=True):
     block_size: int
     bytes_per_block: int
     prompt_token_ids: list[int]
+    layout: str = ""  # the fingerprint of the consumer's cache layout (architecture, dtypes, block shape)
 
 
 class KVRelease(msgspec.Struct, tag=True):
@@ -143,10 +144,11 @@ class KVTransfer:
     def __init__(self, kv: KVCacheManager, bytes_per_block: int, *, producer: bool, consumer: bool,
                  transfer_timeout_s: float, hold_timeout_s: float, blocks_per_step: int,
                  held_tokens: Callable[[str], list[int] | None], release: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 layout: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
         self.block_size = kv.block_size
         self.bytes_per_block = bytes_per_block
+        self.layout = layout  # producer and consumer must agree on it: same architecture, dtypes, block shape
         self.producer = producer
         self.consumer = consumer
         self.transfer_timeout_s = transfer_timeout_s
@@ -196,6 +198,10 @@ class KVTransfer:
             self._refuse(peer, tid, f"block layouts differ: the producer's blocks are {self.block_size} tokens, "
                                     f"{self.bytes_per_block} bytes; the consumer's {pull.block_size} tokens, "
                                     f"{pull.bytes_per_block} bytes (same model, dtype and --block-size?)", True)
+            return
+        if pull.layout != self.layout:
+            self._refuse(peer, tid, "the KV cache layouts differ (model architecture, dtype or --kv-cache-dtype)",
+                         True)
             return
         if pull.prompt_token_ids != tokens:
             self._refuse(peer, tid, "the consumer's prompt differs from the one the producer computed", True)
@@ -282,7 +288,7 @@ class KVTransfer:
                                            now + self.transfer_timeout_s)
         self._by_remote[params.remote_request_id] = req.request_id
         self.outbox.append(Outgoing(KVPull(params.remote_request_id, first_block, self.block_size,
-                                           self.bytes_per_block, req.prompt_token_ids),
+                                           self.bytes_per_block, req.prompt_token_ids, self.layout),
                                     host=params.remote_host, port=params.remote_port))
 
     def release_remote(self, req: Request) -> None:

@@ -88,12 +88,12 @@ class Scheduler:
         self.tiers = KVTiering(self.kv, store, swap)
 
     def set_kv_transfer(self, bytes_per_block: int, *, producer: bool, consumer: bool, transfer_timeout_s: float,
-                        hold_timeout_s: float, blocks_per_step: int) -> KVTransfer:
+                        hold_timeout_s: float, blocks_per_step: int, layout: str = "") -> KVTransfer:
         """KV transfer with other instances (disaggregated prefill/decode)."""
         self.transfer = KVTransfer(self.kv, bytes_per_block, producer=producer, consumer=consumer,
                                    transfer_timeout_s=transfer_timeout_s, hold_timeout_s=hold_timeout_s,
                                    blocks_per_step=blocks_per_step, held_tokens=self.held.get,
-                                   release=self._release_held)
+                                   release=self._release_held, layout=layout)
         return self.transfer
 
     def _release_held(self, request_id: str) -> None:

@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 
+import xxhash
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_offload import kv_offload_store
 from tokenmill.core.kv_transfer import KVTransfer
@@ -63,7 +65,10 @@ class EngineCore:
             self.kv_transfer = self.scheduler.set_kv_transfer(
                 kv_config.bytes_per_block, producer=tc.is_producer, consumer=tc.is_consumer,
                 transfer_timeout_s=tc.extra("transfer_timeout_s"), hold_timeout_s=tc.extra("hold_timeout_s"),
-                blocks_per_step=int(tc.extra("blocks_per_step")))
+                blocks_per_step=int(tc.extra("blocks_per_step")),
+                layout=xxhash.xxh3_64_hexdigest("|".join(map(str, (
+                    config.model.arch, config.model.dtype, config.cache.kv_cache_dtype, config.cache.block_size,
+                    kv_config.bytes_per_block))).encode()))
             try:
                 self.kv_connector = create_connector(tc)
             except BaseException:
