@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.server import RemoteServer, free_port
+from tests.entrypoints.test_serve_cli import assert_one_line_error, serve
 
 DEMO = str(Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo")
 NAME = "demo"
@@ -216,3 +218,28 @@ def test_dead_decode_instance_is_a_clear_error(cluster: Any) -> None:
     consumer.proc.wait(10)
     r = httpx.post(f"{proxy.url}/v1/completions", json=body_for("/v1/completions", "anyone?", False), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
+
+
+@pytest.mark.parametrize("config, words", [
+    ('{"kv_role": "kv_producer"', ("kv_transfer_config", "not valid JSON")),
+    ('{"kv_role": "kv_decoder"}', ("kv_role must be one of",)),
+    ('{"kv_role": "kv_both", "kv_connector": "LMCacheConnectorV1"}', ("lmcache", "not installed")),
+])
+def test_serve_refuses_a_bad_kv_transfer_config(llama_dir: str, config: str, words: tuple[str, ...]) -> None:
+    assert_one_line_error(serve(llama_dir, "--port", str(free_port()), "--kv-transfer-config", config), *words)
+
+
+def test_serve_refuses_a_kv_port_in_use(llama_dir: str) -> None:
+    with socket.socket() as s:
+        port = free_port()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        config = json.dumps({"kv_role": "kv_producer", "kv_port": port})
+        assert_one_line_error(serve(llama_dir, "--port", str(free_port()), "--kv-transfer-config", config),
+                              f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_proxy_refuses_no_decode_instance() -> None:
+    result = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "disagg-proxy", "--prefill",
+                             "http://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith("tokenmill: error: give at least one --decode")
