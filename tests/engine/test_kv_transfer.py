@@ -234,3 +234,32 @@ def test_other_block_layout_is_refused_and_computed_here(pair: Any, llama_dir: s
         assert all_free(consumer) and all_free(producer)  # the producer freed the refused transfer's blocks
     finally:
         consumer.core.shutdown()
+
+
+def test_a_request_aborted_while_pulling_leaves_nothing(pair: Any) -> None:
+    producer, consumer, port = pair
+    remote, _ = prefill(producer, PROMPTS[2])
+    params = KVTransferParams(do_remote_prefill=True, remote_host="127.0.0.1", remote_port=port,
+                              remote_request_id=remote)
+    consumer.add_request("aborted", {"prompt_token_ids": PROMPTS[2]}, greedy(), kv=KVSharing(transfer=params))
+    consumer.step()  # its blocks are allocated and the pull is sent
+    assert consumer.core.scheduler.transfer is not None and consumer.core.scheduler.transfer.pulls
+    consumer.abort_request(["aborted"])
+    deadline = time.monotonic() + 30
+    while not (all_free(consumer) and all_free(producer)):
+        assert time.monotonic() < deadline
+        producer.step()
+        consumer.step()
+
+
+def test_llm_takes_the_config(llama_dir: str) -> None:
+    from tokenmill import LLM
+
+    llm = LLM(llama_dir, dtype="float32", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, max_model_len=128,
+              kv_transfer_config={"kv_role": "kv_both", "kv_port": free_port()})
+    try:
+        assert llm.engine.core.kv_connector is not None
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(), use_tqdm=False)  # no transfer: local
+        assert out[0].outputs[0].token_ids == hf_expected(llama_dir, PROMPTS[:1], [MAX_TOKENS])[0]
+    finally:
+        llm.engine.core.shutdown()
