@@ -30,7 +30,7 @@ EXTERNAL_CONNECTORS: dict[str, str] = {
 ZMQ_EXTRA_DEFAULTS: dict[str, float] = {
     "transfer_timeout_s": 30.0,  # a consumer's longest wait for the producer's next message
     "hold_timeout_s": 120.0,  # how long a producer keeps a finished prompt's blocks for its consumer
-    "blocks_per_step": 16,  # the most blocks a producer reads out for sending in one engine step
+    "blocks_per_step": 64,  # the most blocks a producer reads out for sending in one engine step
 }
 
 

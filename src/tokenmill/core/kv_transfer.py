@@ -218,8 +218,9 @@ class KVTransfer:
         if held is not None and held.peer is None:
             self._end_held(release.transfer_id)
 
-    def take_sends(self) -> list[OffloadBlock]:
-        """Blocks to read out in the step being scheduled, at most blocks_per_step."""
+    def take_sends(self, limit: int | None = None) -> list[OffloadBlock]:
+        """Blocks to read out in the step being scheduled, at most `limit` (default: blocks_per_step)."""
+        limit = self.blocks_per_step if limit is None else limit
         out: list[OffloadBlock] = []
         for tid, held in list(self.held.items()):
             if not held.queue:
@@ -230,11 +231,11 @@ class KVTransfer:
                 self._refuse(held.peer, tid, "the producer dropped the blocks", False)
                 del self.held[tid]
                 continue
-            while held.queue and len(out) < self.blocks_per_step:
+            while held.queue and len(out) < limit:
                 index = held.queue.pop(0)
                 out.append(OffloadBlock(blocks[index].block_id, transfer_id=tid, index=index))
                 held.in_flight += 1
-            if len(out) >= self.blocks_per_step:
+            if len(out) >= limit:
                 break
         return out
 

@@ -115,6 +115,26 @@ class EngineCore:
         """No outputs, the stats as they are now."""
         return EngineCoreOutputs([], self.scheduler.stats(), time.time())
 
+    def _send_kv_blocks(self) -> None:
+        """Read out the blocks consumers asked for in a step of their own (no tokens), ahead of the next step
+        that computes: a pull waits for the step in flight, not for one more. Run at once where no step is
+        in flight, else queued behind them on the worker (its output is taken in order, as any step's)."""
+        assert self.kv_transfer is not None
+        so = SchedulerOutput([], [], {}, 0, blocks_to_offload=self.kv_transfer.take_sends())
+        if self._in_flight:
+            try:
+                self._in_flight.append((so, self.executor.submit(so)))
+            except Exception as e:
+                self._failed += self._fail_step(so, e)
+            return
+        try:
+            out = self.executor.execute_model(so)
+        except Exception as e:
+            self._failed += self._fail_step(so, e)
+            return
+        self.kv_transfer.sent(so, out)
+        self._flush_kv()
+
     def _flush_kv(self) -> None:
         if self.kv_connector is None or self.kv_transfer is None or not self.kv_transfer.outbox:
             return
@@ -142,6 +162,8 @@ class EngineCore:
             if self.scheduler.only_pulling() and not self._in_flight:
                 self.kv_connector.wait(KV_WAIT_S)
             self.pump_kv_transfer()
+            if self.kv_transfer is not None and self.kv_transfer.has_sends():
+                self._send_kv_blocks()
             if self.scheduler.only_pulling() and not self._in_flight:
                 return self._outputs(None, None)
         if not self.config.scheduler.async_scheduling or self._speculating():
