@@ -37,15 +37,23 @@ KV_WAIT_S = 0.01  # with nothing to run but KV transfers, a step waits this long
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor: Executor = executor if executor is not None else create_executor(config)
+        # the KV transfer connector first: a port in use is refused before the model loads
+        self.kv_connector: KVConnector | None = (create_connector(config.kv_transfer)
+                                                 if config.kv_transfer is not None else None)
         try:
-            kv_config = self.executor.initialize_kv_cache()
+            self.executor: Executor = executor if executor is not None else create_executor(config)
+            try:
+                kv_config = self.executor.initialize_kv_cache()
+            except BaseException:
+                self.executor.shutdown()  # (a multiprocess executor's workers)
+                raise
         except BaseException:
-            self.executor.shutdown()  # (a multiprocess executor's workers)
+            self.close_kv_transfer()
             raise
         num_blocks = kv_config.num_blocks
         capacity = num_blocks * config.cache.block_size
         if capacity < config.model.max_model_len:
+            self.close_kv_transfer()
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than max_model_len "
                 f"({config.model.max_model_len}): raise kv_cache_memory or lower max_model_len"
@@ -58,7 +66,6 @@ class EngineCore:
         self.scheduler.set_structured_output(XGrammarBackend(
             functools.partial(load_tokenizer, config.model.tokenizer), config.model.arch.vocab_size))
         self.num_blocks = num_blocks
-        self.kv_connector: KVConnector | None = None
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
             tc = config.kv_transfer
@@ -69,11 +76,6 @@ class EngineCore:
                 layout=xxhash.xxh3_64_hexdigest("|".join(map(str, (
                     config.model.arch, config.model.dtype, config.cache.kv_cache_dtype, config.cache.block_size,
                     kv_config.bytes_per_block))).encode()))
-            try:
-                self.kv_connector = create_connector(tc)
-            except BaseException:
-                self.executor.shutdown()
-                raise
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
         self._failed: list[EngineCoreOutput] = []  # requests of failed steps, not yet reported
