@@ -267,8 +267,12 @@ class KVTransfer:
                 self._refuse(held.peer, tid, "the producer's engine step failed", True)
 
     def peer_gone(self, transfer_id: str) -> None:
-        """The connector could not reach the consumer: stop and free the blocks."""
+        """The connector could not reach the other side: a producer stops and frees the blocks; a consumer
+        computes the prompt itself."""
         self._end_held(transfer_id)
+        pull = self._pull_of(transfer_id)
+        if pull is not None:
+            self._fail(pull, f"cannot reach the producer at {pull.host}:{pull.port}", release=False)
 
     # ---- consumer ---------------------------------------------------------------------------------------
     def wants_pull(self, req: Request) -> bool:

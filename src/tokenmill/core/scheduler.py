@@ -49,6 +49,7 @@ from tokenmill.core.structured_output import NoStructuredOutput, StructuredOutpu
 
 logger = logging.getLogger(__name__)
 
+
 class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.config = sched_config

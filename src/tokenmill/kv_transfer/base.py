@@ -16,8 +16,8 @@ class KVConnector(abc.ABC):
 
     @abc.abstractmethod
     def send(self, messages: list[Outgoing]) -> list[str]:
-        """Send, without waiting; returns the transfer ids of messages to consumers that cannot be reached
-        (their transfers stop)."""
+        """Send, without waiting; returns the transfer ids of messages whose peer cannot be reached (their
+        transfers stop)."""
 
     @abc.abstractmethod
     def wait(self, timeout_s: float) -> None:

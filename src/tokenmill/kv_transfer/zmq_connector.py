@@ -54,7 +54,11 @@ class ZMQConnector(KVConnector):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{host}:{port}")
+            try:
+                sock.connect(f"tcp://{host}:{port}")
+            except zmq.ZMQError:
+                sock.close(0)
+                raise
             self.peers[(host, port)] = sock
             self.poller.register(sock, zmq.POLLIN)
         return sock
