@@ -97,6 +97,15 @@ def test_random_and_shared_prefix_datasets() -> None:
     assert c.prompt[: len(b.prompt)] == b.prompt and len(c.prompt) == 18 + 4 + 4
     with pytest.raises(ValueError, match="prefix-len"):
         shared_prefix_chains(2, "4", "4", (10, 100), 0, maker, prefix_len=5, num_prefixes=1, turns=1)
+    drawn = shared_prefix_chains(64, "10", "2", (10, 1000), 0, maker, prefix_len=6, num_prefixes=4, turns=1,
+                                 prefix_order="random")
+    prefixes = [tuple(c[0].prompt[:6]) for c in drawn]
+    assert len(set(prefixes)) == 4 and prefixes[0::2] != prefixes[1::2] and len(set(prefixes[0::4])) > 1
+    assert drawn == shared_prefix_chains(64, "10", "2", (10, 1000), 0, maker, prefix_len=6, num_prefixes=4,
+                                         turns=1, prefix_order="random")  # deterministic
+    with pytest.raises(ValueError, match="prefix-order"):
+        shared_prefix_chains(2, "4", "4", (10, 100), 0, maker, prefix_len=2, num_prefixes=1, turns=1,
+                             prefix_order="shuffled")
 
 
 def test_serve_against_fake_server(server: FakeOpenAIServer, tmp_path: Path,
@@ -169,3 +178,40 @@ def test_serve_user_errors(server: FakeOpenAIServer, tmp_path: Path, capsys: pyt
     assert "needs text prompts" in capsys.readouterr().err
     assert main([*base, "--num-prompts", "1"]) == 2  # no vocabulary size known
     assert "--vocab-high" in capsys.readouterr().err
+
+
+def test_server_prefix_counters_are_read_by_either_name_and_summed() -> None:
+    from tokenmill.bench.serve_server_stats import parse_counters, summarize_counters
+
+    ours = ('tokenmill:prefix_cache_queries_total{model_name="m"} 100.0\n'
+            'tokenmill:prefix_cache_hits_total{model_name="m"} 40.0\n'
+            'vllm:prefix_cache_queries_total{model_name="m"} 100.0\n'
+            'tokenmill:kv_offload_hits_total{model_name="m",tier="memory"} 8.0\n'
+            'tokenmill:kv_offload_hits_total{model_name="m",tier="disk"} 2.0\n'
+            'tokenmill:num_preemptions_total{model_name="m"} 3.0\n'
+            'tokenmill:num_swapped_total{direction="out",model_name="m"} 2.0\n'
+            'tokenmill:num_swapped_total{direction="in",model_name="m"} 1.0\n')
+    assert parse_counters(ours) == {"queries": 100.0, "hits": 40.0, "tier_memory": 8.0, "tier_disk": 2.0,
+                                    "preemptions": 3.0, "swapped": 2.0}
+    vllm = 'vllm:prefix_cache_queries_total{model_name="m"} 50.0\nvllm:prefix_cache_hits_total{model_name="m"} 5.0\n'
+    assert parse_counters(vllm) == {"queries": 50.0, "hits": 5.0}
+    before = [{"queries": 10.0, "hits": 0.0, "tier_memory": 0.0}, {"queries": 0.0, "hits": 0.0}, None]
+    after = [{"queries": 110.0, "hits": 40.0, "tier_memory": 30.0}, {"queries": 100.0, "hits": 20.0}, {"queries": 9.0}]
+    got = summarize_counters(before, after)  # the third server was not read before: left out
+    assert got["server_metrics_read"] == 2 and got["server_prefix_query_tokens"] == 200
+    assert got["server_prefix_cache_hit_rate"] == 0.3 and got["server_kv_offload_hit_tokens"] == {"memory": 30}
+    assert got["server_hit_rate_with_tiers"] == 0.45
+    assert got["server_preemptions"] is None and got["server_swapped_out"] is None
+    assert summarize_counters([None], [None]) == {"server_prefix_cache_hit_rate": None}
+
+
+def test_turn_stats_split_first_and_returning_turns() -> None:
+    from tokenmill.bench.serve_metrics import turn_stats
+
+    def res(ttft: float) -> RequestResult:
+        return RequestResult(start_s=0.0, ttft_s=ttft, e2e_s=ttft + 1, output_tokens=2, prompt_len=4)
+
+    assert turn_stats([[res(1.0)], [res(2.0)]]) == {}
+    got = turn_stats([[res(1.0), res(0.1), res(0.3)], [res(3.0), res(0.2)]])
+    assert got["returning_requests"] == 3 and got["median_returning_ttft_ms"] == 200.0
+    assert got["median_first_turn_ttft_ms"] == 2000.0

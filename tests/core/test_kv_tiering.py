@@ -115,3 +115,8 @@ def test_a_tight_pool_swaps_and_hits_the_second_tier() -> None:
         assert stats.num_swapped_in > 0 and stats.kv_offload_memory_hits > 0, (async_scheduling, stats)
         assert_all_free(core)
         assert store.swap_reserved_bytes == 0
+        nbytes = runner.block_nbytes()  # the occupancy gauges: what the memory tier holds now
+        assert stats.kv_offload_memory_blocks == store.num_memory_blocks > 0
+        assert stats.kv_offload_memory_swap_blocks == 0
+        assert stats.kv_offload_memory_used_bytes == stats.kv_offload_memory_blocks * nbytes
+        assert stats.kv_offload_memory_capacity_bytes == 64 * nbytes and stats.kv_offload_disk_capacity_bytes == 0

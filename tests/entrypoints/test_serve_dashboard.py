@@ -28,7 +28,7 @@ SLO_FLAG = "ttft_ms=60000,tpot_ms=60000"  # generous: every request of a tiny mo
 @pytest.fixture(scope="module")
 def server(llama_dir: str) -> Iterator[RemoteServer]:
     srv = RemoteServer(llama_dir, "--served-model-name", "tiny", "--slo", SLO_FLAG, "--bandwidth", "10",
-                       "--flops", "100", api_key=KEY)
+                       "--flops", "100", "--kv-offload-memory", "16MiB", api_key=KEY)
     try:
         yield srv
     finally:
@@ -177,6 +177,11 @@ def test_dashboard_in_a_browser_under_load(server: RemoteServer, browser: Any, t
             finished_after = sum(v for k, v in after.items() if k.startswith("tokenmill:request_finished_total"))
             assert finished_before <= finished <= finished_after
             assert shown(page, "kv-total") == after["tokenmill:kv_cache_total_blocks"]
+            # the second tier's row: the memory tier is on, the disk tier off
+            assert page.is_visible("#tier-memory") and not page.is_visible("#tier-disk")
+            capacity = after["tokenmill:kv_offload_capacity_bytes{tier=memory}"]
+            assert shown(page, "tier-memory-capacity") * 2**20 == capacity == 16 * 2**20
+            assert shown(page, "tier-memory-cached") == after["tokenmill:kv_offload_blocks{state=cached,tier=memory}"]
             steps_seen.append(steps)
         mbu = page.inner_text("#mbu")
         assert mbu.endswith("%") and 0 < float(mbu[:-1]) <= 100

@@ -4,11 +4,13 @@ the one computed before, and /metrics counts the disk hits."""
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 from tests.conftest import random_prompts
 from tests.entrypoints.server import RemoteServer
+from tokenmill.core.kv_disk_tier import SUFFIX
 
 BLOCK = 8
 PREFIXES = random_prompts(3, 40, 40, seed=21)
@@ -34,11 +36,15 @@ def srv_model(srv: RemoteServer) -> str:
         return str(c.get("/v1/models").json()["data"][0]["id"])
 
 
-def disk_hits(srv: RemoteServer) -> float:
+def disk_metric(srv: RemoteServer, name: str, labels: str = "") -> float:
     with srv.client() as c:
         text = c.get("/metrics").text
-    m = re.search(r'^tokenmill:kv_offload_hits_total\{model_name="[^"]*",tier="disk"\} (\S+)$', text, re.M)
+    m = re.search(rf'^{name}\{{model_name="[^"]*",{labels}tier="disk"\}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def disk_hits(srv: RemoteServer) -> float:
+    return disk_metric(srv, "tokenmill:kv_offload_hits_total")
 
 
 def test_a_restarted_server_finds_its_prefixes_on_disk(llama_dir: str, tmp_path: Any) -> None:
@@ -53,5 +59,11 @@ def test_a_restarted_server_finds_its_prefixes_on_disk(llama_dir: str, tmp_path:
         assert disk_hits(warm) == 0
         assert complete(warm, first[0]) == answers[0]
         assert disk_hits(warm) >= 5 * BLOCK  # the 40-token prefix, 5 blocks, read from disk
+        # the occupancy gauges: the blocks the first server left on disk, within the tier's size
+        held = disk_metric(warm, "tokenmill:kv_offload_blocks", 'state="cached",')
+        used = disk_metric(warm, "tokenmill:kv_offload_used_bytes")
+        on_disk = [f for _, _, names in os.walk(tmp_path) for f in names if f.endswith(SUFFIX)]
+        assert held == len(on_disk) >= 5
+        assert 0 < used <= disk_metric(warm, "tokenmill:kv_offload_capacity_bytes") == 64 * 2**20
     finally:
         warm.stop()

@@ -1,5 +1,6 @@
 """The second KV tier's counters in /metrics: hits per tier, bytes each way, damaged disk blocks, swaps;
-absent while no tier moved anything."""
+absent while no tier moved anything. Its occupancy gauges per tier, in /metrics and the dashboard's
+snapshot, only for the tiers that are on."""
 
 from __future__ import annotations
 
@@ -32,3 +33,29 @@ def test_tier_counters_follow_the_stats() -> None:
     assert got[("tokenmill:kv_offload_corrupt_blocks_total", (model,))] == 2
     assert got[("tokenmill:num_swapped_total", (("direction", "out"), model))] == 2
     assert got[("tokenmill:num_swapped_total", (("direction", "in"), model))] == 1
+
+
+def test_tier_occupancy_gauges_per_tier_that_is_on() -> None:
+    m = EngineMetrics("m")
+    m.scheduler_stats(SchedulerStats(num_total_blocks=4))
+    assert not any(name.startswith("tokenmill:kv_offload") for name, _ in samples(m))
+    assert m.live.snapshot(0.0)["kv_tiers"] == {}
+    m.scheduler_stats(SchedulerStats(kv_offload_memory_blocks=3, kv_offload_memory_swap_blocks=2,
+                                     kv_offload_memory_used_bytes=5 * 256, kv_offload_memory_capacity_bytes=8 * 256,
+                                     kv_offload_memory_hits=16))
+    got = samples(m)
+    model, mem = ("model_name", "m"), ("tier", "memory")
+    assert got[("tokenmill:kv_offload_blocks", (model, ("state", "cached"), mem))] == 3
+    assert got[("tokenmill:kv_offload_blocks", (model, ("state", "swap"), mem))] == 2
+    assert got[("tokenmill:kv_offload_used_bytes", (model, mem))] == 5 * 256
+    assert got[("tokenmill:kv_offload_capacity_bytes", (model, mem))] == 8 * 256
+    assert not any(dict(labels).get("tier") == "disk" for _, labels in got)
+    assert m.live.snapshot(0.0)["kv_tiers"] == {"memory": {"cached_blocks": 3, "swap_blocks": 2, "used_bytes": 1280,
+                                                           "capacity_bytes": 2048, "hit_tokens": 16}}
+    m.scheduler_stats(SchedulerStats(kv_offload_disk_blocks=7, kv_offload_disk_used_bytes=7000,
+                                     kv_offload_disk_capacity_bytes=10_000))
+    got = samples(m)
+    disk = ("tier", "disk")
+    assert got[("tokenmill:kv_offload_blocks", (model, ("state", "cached"), disk))] == 7
+    assert got[("tokenmill:kv_offload_used_bytes", (model, disk))] == 7000
+    assert ("tokenmill:kv_offload_capacity_bytes", (model, mem)) not in got  # the memory tier is off now

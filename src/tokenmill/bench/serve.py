@@ -3,7 +3,8 @@ vLLM, ...). Requests stream (`stream: true`, usage in the last chunk) and arrive
 (Poisson; gamma with --burstiness; all at once for inf), at most --max-concurrency in flight.
 Per request: TTFT, inter-token latencies (gaps between chunks that carry output), TPOT, E2E latency
 and token counts; summarized as vLLM's `bench serve` does, plus goodput under --slo. Failed requests
-are counted and reported, never fatal. Only the --base-url given is ever contacted."""
+are counted and reported, never fatal. Only the --base-url given (and the --server-metrics URLs, whose
+/metrics are read before and after the run: bench/serve_server_stats.py) is ever contacted."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from tokenmill.bench.serve_data import (
     random_chains,
     shared_prefix_chains,
 )
-from tokenmill.bench.serve_metrics import parse_slo, render, summarize
+from tokenmill.bench.serve_metrics import parse_slo, render, summarize, turn_stats
+from tokenmill.bench.serve_server_stats import scrape, summarize_counters
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -53,6 +55,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: tokens of each shared prefix")
     p.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
     p.add_argument("--turns", type=int, default=1, help="shared-prefix: turns per conversation")
+    p.add_argument("--prefix-order", default="cycle", choices=["cycle", "random"],
+                   help="shared-prefix: conversation c takes prefix c mod --num-prefixes (cycle), or one drawn "
+                        "at random (random: no rotation of replicas lines up with the prefixes)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, or inf (all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps: 1 = Poisson, <1 burstier, inf = constant rate")
@@ -67,6 +72,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--save-detailed", action="store_true", help="add per-request figures to the JSON")
+    p.add_argument("--server-metrics", action="append", default=None, metavar="URL",
+                   help="a server whose /metrics prefix-cache counters are read before and after the run and "
+                        "summed (repeat, e.g. each replica behind a router; default: --base-url)")
     p.add_argument("--label", default=None, help="what the server is (tokenmill, vllm, ...), saved as 'engine'")
     p.add_argument("--batch-lines", type=int, default=0, metavar="N",
                    help="also submit a batch of N requests (made like the online ones, seed + 1) through the "
@@ -96,7 +104,7 @@ def build_chains(args: argparse.Namespace) -> list[Chain]:
             chains = random_chains(num, args.input_len, args.output_len, vocab, args.seed, maker)
         else:
             chains = shared_prefix_chains(num, args.input_len, args.output_len, vocab, args.seed, maker,
-                                          args.prefix_len, args.num_prefixes, args.turns)
+                                          args.prefix_len, args.num_prefixes, args.turns, args.prefix_order)
     if "chat" in args.endpoint and any(not isinstance(r.prompt, str) for c in chains for r in c):
         raise ValueError("the chat endpoint needs text prompts: pass --tokenizer DIR or a JSONL with 'prompt'")
     return chains
@@ -124,9 +132,10 @@ async def _model_name(client: httpx.AsyncClient) -> str:
 
 
 async def bench(args: argparse.Namespace, chains: list[Chain], opts: RequestOptions,
-                batch: list[Chain] | None = None) -> tuple[list[RequestResult], float, RequestOptions, dict[str, Any]]:
-    """Sends every chain (and submits `batch` as a batch job at the start); returns the results in request
-    order, the duration, the options used and the batch's figures."""
+                batch: list[Chain] | None = None) -> tuple[list[list[RequestResult]], float, RequestOptions,
+                                                           dict[str, Any]]:
+    """Sends every chain (and submits `batch` as a batch job at the start); returns the results per chain
+    in request order, the duration, the options used and the batch's and the servers' figures."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, trust_env=False,
@@ -138,6 +147,8 @@ async def bench(args: argparse.Namespace, chains: list[Chain], opts: RequestOpti
             r = await send(client, first, opts, time.perf_counter())
             if not r.ok:
                 raise ValueError(f"the warm-up request to {args.base_url}{opts.endpoint} failed: {r.error}")
+        metric_urls = args.server_metrics or [args.base_url]
+        counters_before = await scrape(client, metric_urls)
         offsets = arrival_offsets(len(chains), args.request_rate, args.burstiness, args.seed)
         sem = asyncio.Semaphore(args.max_concurrency or sum(len(c) for c in chains))
         bar = tqdm(total=sum(len(c) for c in chains), disable=not args.progress, desc="requests", file=sys.stderr)
@@ -158,12 +169,12 @@ async def bench(args: argparse.Namespace, chains: list[Chain], opts: RequestOpti
         duration = time.perf_counter() - t0
         bar.close()
         results = [r for rs in per_chain for r in rs]
-        figures: dict[str, Any] = {}
+        figures: dict[str, Any] = summarize_counters(counters_before, await scrape(client, metric_urls))
         if submitted is not None:
             tokens_now = await serve_batch.generation_tokens(client)
-            figures = await serve_batch.finish(client, submitted, time.perf_counter(),
+            figures |= await serve_batch.finish(client, submitted, time.perf_counter(),
                                                sum(r.output_tokens for r in results if r.ok), tokens_now)
-    return results, duration, opts, figures
+    return list(per_chain), duration, opts, figures
 
 
 def _detailed(results: list[RequestResult]) -> list[dict[str, Any]]:
@@ -192,8 +203,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-lines must be >= 0, got {args.batch_lines}")
     batch = build_chains(argparse.Namespace(**{**vars(args), "num_prompts": args.batch_lines, "seed": args.seed + 1})) \
         if args.batch_lines else None
-    results, duration, opts, batch_figures = asyncio.run(bench(args, chains, opts, batch))
-    summary = summarize(results, duration, slo)
+    per_chain, duration, opts, figures = asyncio.run(bench(args, chains, opts, batch))
+    results = [r for chain in per_chain for r in chain]
+    summary = {**summarize(results, duration, slo), **turn_stats(per_chain), **figures}
     print(render(summary), file=sys.stderr)
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
     burst = "inf" if math.isinf(args.burstiness) else args.burstiness
@@ -205,11 +217,12 @@ def run(args: argparse.Namespace) -> int:
         "prefix_len": args.prefix_len if args.dataset == "shared-prefix" else None,
         "num_prefixes": args.num_prefixes if args.dataset == "shared-prefix" else None,
         "turns": args.turns if args.dataset == "shared-prefix" else None,
-        "slo": slo or None, **summary, **batch_figures,
+        "prefix_order": args.prefix_order if args.dataset == "shared-prefix" else None,
+        "slo": slo or None, **summary,
     }
-    if batch_figures and args.capacity:
+    if "batch_output_throughput_during_online" in figures and args.capacity:
         idle = args.capacity - summary["output_throughput"]
-        during = batch_figures["batch_output_throughput_during_online"]
+        during = figures["batch_output_throughput_during_online"]
         result.update(capacity_output_throughput=args.capacity, idle_output_throughput=round(idle, 2),
                       batch_fraction_of_idle=None if during is None or idle <= 0 else round(during / idle, 4))
     if args.save_detailed:

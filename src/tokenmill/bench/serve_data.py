@@ -80,8 +80,15 @@ def random_chains(num: int, input_len: str, output_len: str, vocab: tuple[int, i
 
 
 def shared_prefix_chains(num: int, input_len: str, output_len: str, vocab: tuple[int, int], seed: int,
-                         maker: PromptMaker, prefix_len: int, num_prefixes: int, turns: int) -> list[Chain]:
+                         maker: PromptMaker, prefix_len: int, num_prefixes: int, turns: int,
+                         prefix_order: str = "cycle") -> list[Chain]:
+    """Conversations of `turns` requests, each starting with one of `num_prefixes` shared prefixes: in turn
+    (conversation c takes prefix c mod num_prefixes) or, with prefix_order "random", drawn uniformly (so
+    that no fixed rotation of servers lines up with the prefixes)."""
+    if prefix_order not in ("cycle", "random"):
+        raise ValueError(f"--prefix-order must be cycle or random, got {prefix_order!r}")
     rng = random.Random(seed)
+    pick = random.Random(seed + 2)
     (ilo, ihi), (olo, ohi) = parse_range(input_len), parse_range(output_len)
     if prefix_len < 0 or prefix_len > ilo:
         raise ValueError(f"--prefix-len {prefix_len} must be between 0 and the shortest --input-len ({ilo})")
@@ -90,7 +97,7 @@ def shared_prefix_chains(num: int, input_len: str, output_len: str, vocab: tuple
     prefixes = [[rng.randrange(*vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     chains: list[Chain] = []
     for c in range(math.ceil(num / turns)):
-        ids = list(prefixes[c % num_prefixes])
+        ids = list(prefixes[c % num_prefixes if prefix_order == "cycle" else pick.randrange(num_prefixes)])
         chain: Chain = []
         for _ in range(min(turns, num - c * turns)):
             if chain:  # a stand-in for the previous reply, then the next user part

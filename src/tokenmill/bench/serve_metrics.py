@@ -75,6 +75,19 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, fl
     return out
 
 
+def turn_stats(per_chain: list[list[RequestResult]]) -> dict[str, Any]:
+    """For multi-turn chains: TTFT of first turns and of returning ones (second turn on), whose prompts
+    start with the conversation so far."""
+    if all(len(chain) <= 1 for chain in per_chain):
+        return {}
+    first = [c[0].ttft_s for c in per_chain if c and c[0].ok and c[0].ttft_s is not None]
+    later = [r.ttft_s for c in per_chain for r in c[1:] if r.ok and r.ttft_s is not None]
+    out: dict[str, Any] = {"returning_requests": len(later)}
+    out.update({k.replace("_ttft_", "_first_turn_ttft_"): v for k, v in _stats("ttft", first).items()})
+    out.update({k.replace("_ttft_", "_returning_ttft_"): v for k, v in _stats("ttft", later).items()})
+    return out
+
+
 def render(summary: dict[str, Any]) -> str:
     s = summary
     lines = [
@@ -92,6 +105,13 @@ def render(summary: dict[str, Any]) -> str:
     for name in ("ttft", "tpot", "itl", "e2el"):
         cells = [s[f"{k}_{name}_ms"] for k in ("mean", "median", "p90", "p99")]
         lines.append(f"{name.upper():<8}" + "".join("       -  " if c is None else f"{c:>10.1f}" for c in cells))
+    if s.get("median_first_turn_ttft_ms") is not None and s.get("median_returning_ttft_ms") is not None:
+        lines.append(f"{'TTFT median, first / returning':<32}{s['median_first_turn_ttft_ms']:.1f} / "
+                     f"{s['median_returning_ttft_ms']:.1f} ms")
+    if s.get("server_prefix_cache_hit_rate") is not None:
+        lines.append(f"{'server prefix-cache hit rate':<32}{s['server_prefix_cache_hit_rate']:.3f}"
+                     + (f" ({s['server_hit_rate_with_tiers']:.3f} with tier 2)"
+                        if s.get("server_hit_rate_with_tiers") is not None else ""))
     for err, n in s["errors"].items():
         lines.append(f"error x{n}: {err}")
     return "\n".join(lines)

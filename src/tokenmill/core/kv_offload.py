@@ -115,6 +115,11 @@ class KVOffloadStore:
         self._swap_reserved.pop(request_id, None)
 
     @property
+    def num_memory_blocks(self) -> int:
+        """Prefix blocks held in the memory tier."""
+        return len(self._memory)
+
+    @property
     def memory_used_bytes(self) -> int:
         """Prefix blocks' bytes and swapped requests' reservations in the memory tier."""
         return self._memory_used + self.swap_reserved_bytes

@@ -149,3 +149,12 @@ class KVTiering:
         stats.kv_offload_corrupt_blocks = self.store.disk.num_corrupt if self.store.disk is not None else 0
         stats.num_swapped_out = self.num_swapped_out
         stats.num_swapped_in = self.num_swapped_in
+        store = self.store
+        stats.kv_offload_memory_blocks = store.num_memory_blocks
+        stats.kv_offload_memory_swap_blocks = store.swap_reserved_bytes // store.block_nbytes
+        stats.kv_offload_memory_used_bytes = store.memory_used_bytes
+        stats.kv_offload_memory_capacity_bytes = store.memory_bytes
+        if store.disk is not None:
+            stats.kv_offload_disk_blocks = len(store.disk)
+            stats.kv_offload_disk_used_bytes = store.disk.used_bytes
+            stats.kv_offload_disk_capacity_bytes = store.disk.capacity_bytes

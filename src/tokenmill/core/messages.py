@@ -102,6 +102,15 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_offload_corrupt_blocks: int = 0
     num_swapped_out: int = 0
     num_swapped_in: int = 0
+    # the second KV tier now (gauges; capacities 0 where that tier is off): prefix blocks held per tier,
+    # blocks the memory tier reserves for swapped requests, and bytes held and allowed per tier
+    kv_offload_memory_blocks: int = 0
+    kv_offload_memory_swap_blocks: int = 0
+    kv_offload_memory_used_bytes: int = 0
+    kv_offload_memory_capacity_bytes: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_disk_used_bytes: int = 0
+    kv_offload_disk_capacity_bytes: int = 0
     # KV transfer (disaggregated prefill/decode), cumulative: KV bytes sent (producer) and received (consumer),
     # the consumers' seconds from asking for a prompt's blocks to the last one in, blocks received, and pulls
     # that failed (the consumer then computed the prompt itself)

@@ -164,13 +164,30 @@ class LiveStats:
         return {"total": s.num_total_blocks, "used": s.num_total_blocks - s.num_free_blocks,
                 "cached": s.num_cached_free_blocks, "free": s.num_free_blocks - s.num_cached_free_blocks}
 
+    def kv_tiers(self) -> dict[str, dict[str, int]]:
+        """The second KV tier's occupancy, per tier that is on: prefix blocks held (and, in memory, blocks
+        reserved for swapped requests), bytes held and allowed, prompt tokens loaded from it."""
+        s = self.last
+        tiers: dict[str, dict[str, int]] = {}
+        if s.kv_offload_memory_capacity_bytes:
+            tiers["memory"] = {"cached_blocks": s.kv_offload_memory_blocks,
+                               "swap_blocks": s.kv_offload_memory_swap_blocks,
+                               "used_bytes": s.kv_offload_memory_used_bytes,
+                               "capacity_bytes": s.kv_offload_memory_capacity_bytes,
+                               "hit_tokens": s.kv_offload_memory_hits}
+        if s.kv_offload_disk_capacity_bytes:
+            tiers["disk"] = {"cached_blocks": s.kv_offload_disk_blocks, "swap_blocks": 0,
+                             "used_bytes": s.kv_offload_disk_used_bytes,
+                             "capacity_bytes": s.kv_offload_disk_capacity_bytes, "hit_tokens": s.kv_offload_disk_hits}
+        return tiers
+
     def snapshot(self, now: float) -> dict[str, Any]:
         """Everything the dashboard shows, as one JSON-able dict."""
         s, w = self.last, self.window()
         c = self.ceilings
         return {
             "time": now, "model": self.model_name, "running": s.num_running, "waiting": s.num_waiting,
-            "kv_blocks": self.kv_blocks(), "kv_cache_usage": s.kv_cache_usage,
+            "kv_blocks": self.kv_blocks(), "kv_cache_usage": s.kv_cache_usage, "kv_tiers": self.kv_tiers(),
             "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else None,
             "num_preemptions": s.num_preemptions, "steps": s.num_steps,
             "finished_requests": self.finished_requests, "generation_tokens": self.generation_tokens,
@@ -187,6 +204,26 @@ class LiveStats:
         }
 
     # ---- Prometheus ----------------------------------------------------------------------
+    def _tier_gauges(self) -> Iterator[Metric]:
+        tiers = self.kv_tiers()
+        if not tiers:
+            return
+        labels = ["model_name", "tier"]
+        blocks = GaugeMetricFamily("tokenmill:kv_offload_blocks", "Blocks held in the second KV tier, by tier and "
+                                   "state: cached (prefix blocks, found by their hash), swap (reserved for "
+                                   "requests preempted with --preemption-mode swap).", labels=[*labels, "state"])
+        used = GaugeMetricFamily("tokenmill:kv_offload_used_bytes", "Bytes the second KV tier holds, by tier "
+                                 "(memory: swap reservations included; disk: its files).", labels=labels)
+        cap = GaugeMetricFamily("tokenmill:kv_offload_capacity_bytes", "Bytes the second KV tier may hold, by tier "
+                                "(--kv-offload-memory, --kv-offload-disk-size).", labels=labels)
+        for tier, t in tiers.items():
+            blocks.add_metric([self.model_name, tier, "cached"], t["cached_blocks"])
+            if tier == "memory":
+                blocks.add_metric([self.model_name, tier, "swap"], t["swap_blocks"])
+            used.add_metric([self.model_name, tier], t["used_bytes"])
+            cap.add_metric([self.model_name, tier], t["capacity_bytes"])
+        yield from (blocks, used, cap)
+
     def describe(self) -> list[Metric]:
         return []  # names are checked against the registry's own metrics by prometheus_client otherwise
 
@@ -210,6 +247,7 @@ class LiveStats:
             if state != "total":
                 kv.add_metric([self.model_name, state], n)
         yield kv
+        yield from self._tier_gauges()
         step = self.step
         if step is not None:
             yield counter("step_busy_seconds", "Wall time of engine steps (busy time).", step.busy_s)

@@ -102,6 +102,30 @@ function drawKvMap(canvas, kv) {
   setText("kv-scale", canvas.title);
 }
 
+// the second KV tier, one row per tier that is on: a fill bar (prefix blocks, swap reservations) and counts
+function renderTiers(tiers) {
+  const names = Object.keys(tiers || {});
+  $("kv-tiers").hidden = names.length === 0;
+  $("kv-tiers-off").hidden = names.length > 0;
+  for (const name of ["memory", "disk"]) {
+    const t = (tiers || {})[name];
+    $("tier-" + name).hidden = !t;
+    if (!t) continue;
+    const mib = (b) => fmt(b / 1048576, 2);
+    // every held block (prefix or swap) is the same size, so the swap share of the bytes is its share of the blocks
+    const cap = Math.max(t.capacity_bytes, 1), held = t.cached_blocks + t.swap_blocks;
+    const swapBytes = held ? (t.used_bytes * t.swap_blocks) / held : 0;
+    const [cachedBar, swapBar] = $("tier-" + name).querySelectorAll(".bar span");
+    cachedBar.style.width = (100 * Math.min(1, (t.used_bytes - swapBytes) / cap)).toFixed(1) + "%";
+    swapBar.style.width = (100 * Math.min(1, swapBytes / cap)).toFixed(1) + "%";
+    setText("tier-" + name + "-cached", fmt(t.cached_blocks));
+    setText("tier-" + name + "-swap", fmt(t.swap_blocks));
+    setText("tier-" + name + "-used", mib(t.used_bytes));
+    setText("tier-" + name + "-capacity", mib(t.capacity_bytes));
+    setText("tier-" + name + "-hits", fmt(t.hit_tokens));
+  }
+}
+
 function render(s) {
   setText("model", s.model);
   setText("updated", new Date(s.time * 1000).toLocaleTimeString());
@@ -154,6 +178,7 @@ function render(s) {
   setText("kv-cached", fmt(s.kv_blocks.cached));
   setText("kv-free", fmt(s.kv_blocks.free));
   setText("kv-total", fmt(s.kv_blocks.total));
+  renderTiers(s.kv_tiers);
 
   for (const kind of ["ttft", "tpot", "itl"]) {
     const l = s.latency_ms[kind];
