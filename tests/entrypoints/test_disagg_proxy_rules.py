@@ -47,3 +47,10 @@ def test_bad_urls_and_no_decode_instance_are_refused() -> None:
         build_disagg_app(DisaggConfig(prefill=("http://127.0.0.1:1",), decode=()))
     with pytest.raises(ValueError, match="http://"):
         build_disagg_app(DisaggConfig(prefill=("127.0.0.1:1",), decode=("http://127.0.0.1:2",)))
+
+
+def test_the_command_refuses_no_decode_instance(capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.entrypoints.cli import main
+
+    assert main(["disagg-proxy", "--prefill", "http://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith("tokenmill: error: give at least one --decode URL")
