@@ -85,7 +85,7 @@ def pair(llama_dir: str, request: pytest.FixtureRequest) -> Any:
     # with async scheduling the consumer's pulled blocks are written by a step scheduled while another runs
     port = free_port()
     producer = engine(llama_dir, "kv_producer", port, async_scheduling=request.param)
-    consumer = engine(llama_dir, "kv_consumer", free_port(), async_scheduling=request.param, transfer_timeout_s=1.0)
+    consumer = engine(llama_dir, "kv_consumer", free_port(), async_scheduling=request.param, transfer_timeout_s=10.0)
     yield producer, consumer, port
     producer.core.shutdown()
     consumer.core.shutdown()
@@ -263,3 +263,27 @@ def test_llm_takes_the_config(llama_dir: str) -> None:
         assert out[0].outputs[0].token_ids == hf_expected(llama_dir, PROMPTS[:1], [MAX_TOKENS])[0]
     finally:
         llm.engine.core.shutdown()
+
+
+def test_other_requests_run_while_blocks_are_awaited(pair: Any, want: list[list[int]]) -> None:
+    producer, consumer, port = pair
+    remote, first = prefill(producer, PROMPTS[0])
+    consumer.add_request("local", {"prompt_token_ids": PROMPTS[1]}, greedy())
+    params = KVTransferParams(do_remote_prefill=True, remote_host="127.0.0.1", remote_port=port,
+                              remote_request_id=remote)
+    consumer.add_request("pulled", {"prompt_token_ids": PROMPTS[0]}, greedy(), kv=KVSharing(transfer=params))
+    tokens: dict[str, list[int]] = {"local": [], "pulled": []}
+    deadline = time.monotonic() + 60
+    while not tokens["local"] or len(tokens["local"]) < MAX_TOKENS:  # the producer is not stepped: no block comes
+        assert time.monotonic() < deadline
+        for out in consumer.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert tokens["local"] == want[1] and tokens["pulled"] == []  # it ran to the end; the other waited
+    assert consumer.core.scheduler.transfer is not None and consumer.core.scheduler.transfer.is_pulling("pulled")
+    while consumer.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        producer.step()
+        for out in consumer.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert tokens["pulled"] == want[0] and tokens["pulled"][:1] == first
+    assert all_free(producer) and all_free(consumer)
