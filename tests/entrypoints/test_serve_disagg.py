@@ -78,7 +78,7 @@ def cluster() -> Iterator[tuple[ProxyProcess, RemoteServer, RemoteServer]]:
     consumer = None
     proxy = None
     try:
-        consumer, _ = kv_server("kv_consumer", transfer_timeout_s=3)
+        consumer, _ = kv_server("kv_consumer", transfer_timeout_s=5)
         proxy = ProxyProcess([producer.url], [consumer.url])
         yield proxy, producer, consumer
     finally:
