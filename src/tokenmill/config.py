@@ -19,6 +19,7 @@ import psutil
 
 from tokenmill.arch import RUNNERS, ArchConfig, load_arch_config
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
+from tokenmill.kv_transfer_config import KVTransferConfig, resolve_kv_transfer_config
 from tokenmill.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig, resolve_parallel_config
 from tokenmill.pooling import PoolerConfig, checkpoint_max_seq_length, resolve_pooler_config
 from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
@@ -88,6 +89,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
     log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism, the executor
+    kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer_config.py), off when None
 
 
 # speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
@@ -275,6 +277,10 @@ class EngineArgs:
     disable_log_stats: bool = _arg(False, "no per-step statistics (bandwidth, FLOP/s, MBU/MFU, batch composition "
                                           "in /metrics and /dashboard): vLLM's switch")
     task: str | None = _arg(None, "older vLLM's name for --runner: generate, or embed for --runner pooling")
+    kv_transfer_config: dict[str, Any] | str | None = _arg(
+        None, "disaggregated prefill and decode, as JSON (vLLM's KVTransferConfig): {\"kv_role\": \"kv_producer\" | "
+              "\"kv_consumer\" | \"kv_both\", \"kv_connector\": \"ZMQConnector\", \"kv_ip\": ..., \"kv_port\": ..., "
+              "\"kv_connector_extra_config\": {...}}; see `tokenmill disagg-proxy` (default: off)")
     pooler_config: str | None = _arg(None, "the pooling runner's pooling as JSON, e.g. '{\"pooling_type\": "
                                            "\"MEAN\", \"normalize\": true}' (pooling_type MEAN, CLS or LAST; "
                                            "default: the sentence-transformers config, else LAST, normalised)")
@@ -320,6 +326,10 @@ class EngineArgs:
             # a rank's blocks hold only its heads, and the tiers move rank 0's bytes alone
             raise ValueError("the KV tiers (--kv-offload-memory, --kv-offload-disk, --preemption-mode swap) are not "
                              "built for tensor parallelism yet; use tensor_parallel_size 1")
+        kv_transfer = resolve_kv_transfer_config(self.kv_transfer_config)
+        if kv_transfer is not None and (parallel.world_size > 1 or runner != "generate"):
+            raise ValueError("kv_transfer_config needs a generating model on one rank (tensor_parallel_size 1): a "
+                             "rank's blocks hold only its heads")
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
                             else default_async_scheduling(device, self.num_threads))
         return EngineConfig(
@@ -345,6 +355,7 @@ class EngineArgs:
             speculative=spec,
             log_stats=not self.disable_log_stats,
             parallel=parallel,
+            kv_transfer=kv_transfer,
         )
 
     def _runner(self, arch: ArchConfig) -> str:

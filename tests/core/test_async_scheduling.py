@@ -72,6 +72,7 @@ def make_core(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, 
         cache=CacheConfig(block_size, 0, num_blocks, True),
         model=SimpleNamespace(max_model_len=max_model_len, tokenizer="", arch=SimpleNamespace(vocab_size=VOCAB)),
         speculative=None,
+        kv_transfer=None,
         log_stats=False)  # no model shapes here for the step meter to count with
     executor = FakeExecutor(FakeRunner(block_size, lambda rid, tokens: eos_model(tokens)), num_blocks)
     return EngineCore(cast(EngineConfig, config), executor), executor

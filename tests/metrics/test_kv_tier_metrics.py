@@ -59,3 +59,18 @@ def test_tier_occupancy_gauges_per_tier_that_is_on() -> None:
     assert got[("tokenmill:kv_offload_blocks", (model, ("state", "cached"), disk))] == 7
     assert got[("tokenmill:kv_offload_used_bytes", (model, disk))] == 7000
     assert ("tokenmill:kv_offload_capacity_bytes", (model, mem)) not in got  # the memory tier is off now
+
+
+def test_structured_output_counters_survive_stats_without_them() -> None:
+    m = EngineMetrics("m")
+    m.scheduler_stats(SchedulerStats(structured_requests={"json": 2}, grammar_compiles=1, grammar_compile_seconds=0.5))
+    m.scheduler_stats(SchedulerStats())  # e.g. a message made without the grammar backend's counts
+    m.scheduler_stats(SchedulerStats(structured_requests={"json": 3, "regex": 1}, grammar_compiles=2,
+                                     grammar_compile_seconds=0.75, structured_failed=1))
+    got = samples(m)
+    model = ("model_name", "m")
+    assert got[("tokenmill:structured_output_requests_total", (("kind", "json"), model))] == 3
+    assert got[("tokenmill:structured_output_requests_total", (("kind", "regex"), model))] == 1
+    assert got[("tokenmill:grammar_compilations_total", (model,))] == 2
+    assert got[("tokenmill:grammar_compile_seconds_total", (model,))] == 0.75
+    assert got[("tokenmill:structured_output_failed_requests_total", (model,))] == 1

@@ -11,6 +11,18 @@ from tokenmill.sampling_params import SamplingParams
 LogprobEntry = tuple[list[int], list[float], list[int]]
 
 
+class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request's part in disaggregated prefill/decode (vLLM's `kv_transfer_params`): a producer computes
+    the prompt and keeps its blocks (`do_remote_decode`); a consumer pulls them from the producer at
+    remote_host:remote_port, where they are kept under remote_request_id (`do_remote_prefill`)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: str = ""
+    remote_port: int = 0
+    remote_request_id: str = ""
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -24,6 +36,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # the blocks of kv_parent (a kept request whose tokens prefix this one's), shared copy-on-write
     hold_kv: bool = False
     kv_parent: str | None = None
+    kv_transfer: KVTransferParams | None = None  # disaggregated prefill/decode (core/kv_transfer.py)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -104,6 +117,14 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     structured_failed: int = 0
     grammar_compiles: int = 0
     grammar_compile_seconds: float = 0.0
+    # KV transfer (disaggregated prefill/decode), cumulative: KV bytes sent (producer) and received (consumer),
+    # the consumers' seconds from asking for a prompt's blocks to the last one in, blocks received, and pulls
+    # that failed (the consumer then computed the prompt itself)
+    kv_transfer_bytes_sent: int = 0
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_blocks_received: int = 0
+    kv_transfer_failures: int = 0
     step: StepStats | None = None
 
 

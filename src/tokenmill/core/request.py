@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.core.messages import KVTransferParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -56,6 +60,7 @@ class Request:
         group: str = "",
         hold_kv: bool = False,
         kv_parent: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -68,6 +73,8 @@ class Request:
         self.fair_round = 0  # its turn within its group, set by the scheduler when it is added
         self.hold_kv = hold_kv  # once finished, its blocks stay (Scheduler.held) until it is aborted
         self.kv_parent = kv_parent  # a held request whose blocks this one starts from, if still held
+        self.kv_transfer = kv_transfer  # disaggregated prefill/decode: produce for, or pull from, another instance
+        self.kv_pulled = False  # its prompt's blocks were asked of a producer (core/kv_transfer.py)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is computed or scheduled to be

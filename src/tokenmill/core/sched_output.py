@@ -21,6 +21,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # tokens it has taken already: a disaggregated consumer's request starts with the producer's first token
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -38,12 +40,17 @@ class CachedRequestData:
 class OffloadBlock:
     """A first-tier block whose KV the workers read out (before the step writes anything) and return in
     `ModelRunnerOutput.offloaded_kv`, for the second tier (core/kv_offload.py): a prefix block the pool
-    evicts, keyed by its chained hash and tokens, or a block of a request preempted by swapping."""
+    evicts, keyed by its chained hash and tokens, or a block of a request preempted by swapping; or, for
+    KV transfer, a block a producer sends."""
 
     block_id: int
     block_hash: int | None = None  # a prefix block's
     token_ids: tuple[int, ...] = ()
     request_id: str | None = None  # a swapped request's
+    # a block a KV producer sends to a consumer (core/kv_transfer.py): the transfer and the block's index
+    # in the request's table; the second tier passes these over
+    transfer_id: str | None = None
+    index: int = 0
 
 
 @dataclass
@@ -69,6 +76,8 @@ class SchedulerOutput:
     # order), then the copies above, then (block id, bytes) written into blocks, before the step's tokens
     blocks_to_offload: list[OffloadBlock] = field(default_factory=list)
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
+    # KV transfer: the requests whose pulled blocks are among blocks_to_load (scheduler-side bookkeeping)
+    kv_transfer_reqs: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -19,11 +19,16 @@ Beam search (engine/beam_search.py): a request with `hold_kv` keeps its blocks o
 `held`, until it is aborted), and a request naming it as `kv_parent` starts from them: at admission
 it shares all of them, a partial last block included (KVCacheManager.fork), and only its new tokens
 are computed; the first write into a shared block copies it (`SchedulerOutput.blocks_to_copy`).
+
+KV transfer (core/kv_transfer.py): a producer's request keeps its blocks for a consumer, which pulls them;
+a consumer's request leaves the waiting queue with its blocks allocated while they come, and comes back as a
+request whose prompt is computed, the producer's first token appended.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Iterable
 
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -31,6 +36,7 @@ from tokenmill.core.block_pool import KVBlock
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_offload import KVOffloadStore
 from tokenmill.core.kv_tiering import KVTiering
+from tokenmill.core.kv_transfer import KVTransfer
 from tokenmill.core.messages import EngineCoreOutput, SchedulerStats, SpecDecodeStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (
@@ -40,6 +46,8 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
 )
 from tokenmill.core.structured_output import NoStructuredOutput, StructuredOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -66,6 +74,7 @@ class Scheduler:
         self.num_scheduled_tokens = 0  # cumulative
         self.num_blocks_copied = 0  # copy-on-write copies, cumulative
         self.tiers: KVTiering | None = None  # the second KV tier, where one is set
+        self.transfer: KVTransfer | None = None  # KV transfer between instances, where configured
 
     def set_structured_output(self, manager: StructuredOutput) -> None:
         # a step's bitmasks follow the tokens taken before it: with async scheduling, a manager that does not
@@ -79,10 +88,27 @@ class Scheduler:
         blocks of preempted requests."""
         self.tiers = KVTiering(self.kv, store, swap)
 
+    def set_kv_transfer(self, bytes_per_block: int, *, producer: bool, consumer: bool, transfer_timeout_s: float,
+                        hold_timeout_s: float, blocks_per_step: int, layout: str = "") -> KVTransfer:
+        """KV transfer with other instances (disaggregated prefill/decode)."""
+        self.transfer = KVTransfer(self.kv, bytes_per_block, producer=producer, consumer=consumer,
+                                   transfer_timeout_s=transfer_timeout_s, hold_timeout_s=hold_timeout_s,
+                                   blocks_per_step=blocks_per_step, held_tokens=self.held.get,
+                                   release=self._release_held, layout=layout)
+        return self.transfer
+
+    def _release_held(self, request_id: str) -> None:
+        if self.held.pop(request_id, None) is not None:
+            self.kv.free(request_id)
+
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is in use (its KV blocks are kept)")
+        if (self.transfer is not None and request.kv_transfer is not None
+                and request.sampling_params.structured_outputs is not None):
+            self.transfer.release_remote(request)  # its first token must pass the grammar here: computed here
+            request.kv_transfer = None
         self.requests[request.request_id] = request
         if request.group:
             request.fair_round = max(self._group_next_round.get(request.group, 0), self._fair_now)
@@ -121,17 +147,29 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._dequeue(req)
             req.stop_reason = reasons.get(rid) if reasons else None
             self._finish(req, status)
             outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason, stop_reason=req.stop_reason))
         return outputs
 
+    def _dequeue(self, req: Request) -> None:
+        """Take an unfinished request out of the running or waiting queue, or out of its KV transfer."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif self.transfer is not None and self.transfer.is_pulling(req.request_id):
+            self.transfer.cancel(req.request_id)
+        else:
+            self.waiting.remove(req)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._ended)
+        return bool(self.waiting or self.running or self._ended) or (
+            self.transfer is not None and bool(self.transfer.pulls or self.transfer.has_sends()))
+
+    def only_pulling(self) -> bool:
+        """Whether nothing can run until a KV transfer makes progress (the engine may wait on its sockets)."""
+        return (not (self.waiting or self.running or self._ended) and self.transfer is not None
+                and bool(self.transfer.pulls) and not self.transfer.has_sends())
 
     def has_predictions(self) -> bool:
         """Whether a running request brings a Predicted Outputs reference text."""
@@ -208,6 +246,12 @@ class Scheduler:
                 break
             if self.tiers is not None and self.tiers.waits_for_swap(req):  # its blocks' bytes are not in yet
                 break
+            if self.transfer is not None and self.transfer.wants_pull(req):
+                if self._start_pull(req):
+                    continue
+                if not self.running and self._drop_kept_blocks():
+                    continue
+                break
             computed, loadable = self._computed(req)
             num_computed = req.num_computed_tokens + len(computed) * self.block_size + loadable
             n = min(req.num_tokens - num_computed, allowed(req))
@@ -221,7 +265,8 @@ class Scheduler:
                 n = min(req.num_tokens - num_computed, allowed(req))
             self.waiting.remove(req)
             self._fair_now = max(self._fair_now, req.fair_round)
-            self.kv.record_prefix_lookup(req, len(computed))
+            if not req.kv_pulled:  # (a pulled request's lookup was counted when it asked for its blocks)
+                self.kv.record_prefix_lookup(req, len(computed))
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
             req.num_computed_tokens = num_computed
@@ -236,7 +281,8 @@ class Scheduler:
             else:
                 self._seen_by_workers.add(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                               self.kv.block_ids(req.request_id), num_computed))
+                                               self.kv.block_ids(req.request_id), num_computed,
+                                               list(req.output_token_ids)))
             self._advance(req, n, sampling)
 
         finished, self._finished_ids = self._finished_ids, set()
@@ -250,7 +296,59 @@ class Scheduler:
                              finished, spec, bitmasks, copies)
         if self.tiers is not None:
             so.blocks_to_offload, so.blocks_to_load = self.tiers.take()
+        if self.transfer is not None:
+            so.blocks_to_offload += self.transfer.take_sends()
+            loads, so.kv_transfer_reqs = self.transfer.take_loads()
+            so.blocks_to_load += loads
         return so
+
+    def _start_pull(self, req: Request) -> bool:
+        """Give a consumer's request its prefix hits and fresh blocks for the rest of its prompt, and ask the
+        producer for those; False where the pool is short (it waits, as any request)."""
+        assert self.transfer is not None
+        computed = self.kv.get_computed_blocks(req)
+        if self.kv.allocate_slots(req, req.num_prompt_tokens - len(computed) * self.block_size, computed) is None:
+            return False
+        self.waiting.remove(req)
+        self.kv.record_prefix_lookup(req, len(computed))
+        req.num_cached_tokens = len(computed) * self.block_size
+        self.transfer.start_pull(req, len(computed))
+        return True
+
+    def finish_pulls(self) -> None:
+        """Requests whose blocks came in take the producer's first token(s) and wait to decode; those whose
+        transfer failed compute their prompt here."""
+        if self.transfer is None:
+            return
+        for done in self.transfer.take_done():
+            req = done.request
+            if req.is_finished or self.requests.get(req.request_id) is not req:
+                continue
+            if not done.ok:
+                logger.warning("KV transfer for %s failed (%s); computing its prompt here", req.request_id,
+                               done.reason)
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = -1
+                self._enqueue(req)
+                continue
+            req.num_computed_tokens = req.num_prompt_tokens
+            taken: list[int] = []
+            for tok in done.first_token_ids:
+                req.append_output_token(tok)
+                taken.append(tok)
+                if self._check_stop(req, tok):
+                    break
+            logprobs = done.first_logprobs[:len(taken)] if done.first_logprobs else None
+            output = EngineCoreOutput(req.request_id, taken, new_logprobs=logprobs,
+                                      num_cached_tokens=max(req.num_cached_tokens, 0))
+            if req.is_finished:
+                output.finish_reason = req.status.finish_reason
+                output.stop_reason = req.stop_reason
+                self._finish(req, req.status)
+            else:
+                self._enqueue(req)
+            self._ended.append(output)
 
     def _computed(self, req: Request) -> tuple[list[KVBlock], int]:
         """A request's first-tier prefix hits, and the tokens after them whose KV the second tier holds
@@ -396,6 +494,8 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         if self.tiers is not None:
             self.tiers.absorb(sched, out)
+        if self.transfer is not None:
+            self.transfer.sent(sched, out)
         outputs: list[EngineCoreOutput] = self.fail_requests(out.failed) if out.failed else []
         if self._ended:
             outputs, self._ended = self._ended + outputs, []
@@ -440,6 +540,9 @@ class Scheduler:
                 output.stop_reason = req.stop_reason
                 (self.running if was_running else self.waiting).remove(req)
                 self._finish(req, req.status)
+                if (self.transfer is not None and req.request_id in self.held and req.kv_transfer is not None
+                        and req.kv_transfer.do_remote_decode):
+                    self.transfer.produced(req, output.new_logprobs)
             outputs.append(output)
         return outputs
 
@@ -466,7 +569,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            self._dequeue(req)
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -507,9 +610,27 @@ class Scheduler:
         )
         if self.tiers is not None:
             self.tiers.count_into(stats)
+        if self.transfer is not None:
+            self.transfer.count_into(stats)
         return stats
 
     def step_dropped(self, so: SchedulerOutput) -> None:
         """A step that failed returns no KV bytes: the requests it swapped out are recomputed instead."""
         if self.tiers is not None:
             self.tiers.drop(so)
+        if self.transfer is not None:
+            self.transfer.dropped(so)
+            for rid in so.kv_transfer_reqs:  # its blocks were not written: it computes its prompt after all
+                req = self.requests.get(rid)
+                if req is None or req.is_finished:
+                    continue
+                if self.transfer.is_pulling(rid):
+                    self.transfer.cancel(rid)
+                elif req.status == RequestStatus.WAITING and req in self.waiting:
+                    self.waiting.remove(req)
+                else:
+                    continue  # running: the failed step ends it
+                self.kv.free(rid)
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = -1
+                self._enqueue(req)

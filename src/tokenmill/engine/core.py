@@ -11,8 +11,11 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 
+import xxhash
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_offload import kv_offload_store
+from tokenmill.core.kv_transfer import KVTransfer
 from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -21,26 +24,36 @@ from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.engine.step_meter import StepMeter
 from tokenmill.executor import create_executor
 from tokenmill.executor.abstract import Executor, WorkerDied
+from tokenmill.kv_transfer import KVConnector, create_connector
 from tokenmill.metrics.step_cost import model_cost
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # steps in a row that may fail before the engine core gives up
 IDLE_WAIT_S = 0.001  # a step that scheduled nothing while requests wait sleeps this long
+KV_WAIT_S = 0.01  # with nothing to run but KV transfers, a step waits this long for their messages
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor: Executor = executor if executor is not None else create_executor(config)
+        # the KV transfer connector first: a port in use is refused before the model loads
+        self.kv_connector: KVConnector | None = (create_connector(config.kv_transfer)
+                                                 if config.kv_transfer is not None else None)
         try:
-            kv_config = self.executor.initialize_kv_cache()
+            self.executor: Executor = executor if executor is not None else create_executor(config)
+            try:
+                kv_config = self.executor.initialize_kv_cache()
+            except BaseException:
+                self.executor.shutdown()  # (a multiprocess executor's workers)
+                raise
         except BaseException:
-            self.executor.shutdown()  # (a multiprocess executor's workers)
+            self.close_kv_transfer()
             raise
         num_blocks = kv_config.num_blocks
         capacity = num_blocks * config.cache.block_size
         if capacity < config.model.max_model_len:
+            self.close_kv_transfer()
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than max_model_len "
                 f"({config.model.max_model_len}): raise kv_cache_memory or lower max_model_len"
@@ -53,6 +66,16 @@ class EngineCore:
         self.scheduler.set_structured_output(XGrammarBackend(
             functools.partial(load_tokenizer, config.model.tokenizer), config.model.arch.vocab_size))
         self.num_blocks = num_blocks
+        self.kv_transfer: KVTransfer | None = None
+        if config.kv_transfer is not None:
+            tc = config.kv_transfer
+            self.kv_transfer = self.scheduler.set_kv_transfer(
+                kv_config.bytes_per_block, producer=tc.is_producer, consumer=tc.is_consumer,
+                transfer_timeout_s=tc.extra("transfer_timeout_s"), hold_timeout_s=tc.extra("hold_timeout_s"),
+                blocks_per_step=int(tc.extra("blocks_per_step")),
+                layout=xxhash.xxh3_64_hexdigest("|".join(map(str, (
+                    config.model.arch, config.model.dtype, config.cache.kv_cache_dtype, config.cache.block_size,
+                    kv_config.bytes_per_block))).encode()))
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
         self._failed: list[EngineCoreOutput] = []  # requests of failed steps, not yet reported
@@ -62,9 +85,66 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already running")
+        transfer = req.kv_transfer
+        if transfer is not None:
+            role = self.config.kv_transfer
+            if transfer.do_remote_decode and (role is None or not role.is_producer):
+                raise ValueError("do_remote_decode: this instance is not a KV producer (start it with "
+                                 "--kv-transfer-config '{\"kv_role\": \"kv_producer\"}' or kv_both)")
+            if transfer.do_remote_prefill and (role is None or not role.is_consumer):
+                raise ValueError("do_remote_prefill: this instance is not a KV consumer (start it with "
+                                 "--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}' or kv_both)")
+        hold = req.hold_kv or (transfer is not None and transfer.do_remote_decode)
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                            req.eos_token_ids, req.arrival_time or None, req.priority,
-                                           req.priority_class, req.group, req.hold_kv, req.kv_parent))
+                                           req.priority_class, req.group, hold, req.kv_parent, transfer))
+
+    # ---- KV transfer ----------------------------------------------------------------------
+    def pump_kv_transfer(self) -> bool:
+        """Take in the KV transfer messages that came, end the transfers past their timeouts, let the requests
+        whose blocks are in go on, and send what the scheduler has for other instances; whether anything
+        happened (an idle core then reports its stats: held blocks may have been freed)."""
+        if self.kv_connector is None or self.kv_transfer is None:
+            return False
+        messages = self.kv_connector.receive()
+        self.kv_transfer.receive(messages)
+        expired = self.kv_transfer.expire()
+        self.scheduler.finish_pulls()
+        self._flush_kv()
+        return bool(messages) or expired
+
+    def idle_outputs(self) -> EngineCoreOutputs:
+        """No outputs, the stats as they are now."""
+        return EngineCoreOutputs([], self._stats(), time.time())
+
+    def _send_kv_blocks(self) -> None:
+        """Read out the blocks consumers asked for in a step of their own (no tokens), ahead of the next step
+        that computes: a pull waits for the step in flight, not for one more. Run at once where no step is
+        in flight, else queued behind them on the worker (its output is taken in order, as any step's)."""
+        assert self.kv_transfer is not None
+        so = SchedulerOutput([], [], {}, 0, blocks_to_offload=self.kv_transfer.take_sends())
+        if self._in_flight:
+            try:
+                self._in_flight.append((so, self.executor.submit(so)))
+            except Exception as e:
+                self._failed += self._fail_step(so, e)
+            return
+        try:
+            out = self.executor.execute_model(so)
+        except Exception as e:
+            self._failed += self._fail_step(so, e)
+            return
+        self.kv_transfer.sent(so, out)
+        self._flush_kv()
+
+    def _flush_kv(self) -> None:
+        if self.kv_connector is None or self.kv_transfer is None or not self.kv_transfer.outbox:
+            return
+        for tid in self.kv_connector.send(self.kv_transfer.take_outbox()):
+            self.kv_transfer.peer_gone(tid)
+
+    def kv_pollables(self) -> list[object]:
+        return self.kv_connector.pollables() if self.kv_connector is not None else []
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self._stats(), time.time())
@@ -80,6 +160,14 @@ class EngineCore:
         one at a time (those in flight are drained first); otherwise they overlap and propose nothing,
         and a step that verifies drafts (the first after a switch) is never overlapped, since how many
         tokens it takes is not known when the next would be scheduled."""
+        if self.kv_connector is not None:
+            if self.scheduler.only_pulling() and not self._in_flight:
+                self.kv_connector.wait(KV_WAIT_S)
+            self.pump_kv_transfer()
+            if self.kv_transfer is not None and self.kv_transfer.has_sends():
+                self._send_kv_blocks()
+            if self.scheduler.only_pulling() and not self._in_flight:
+                return self._outputs(None, None)
         if not self.config.scheduler.async_scheduling or self._speculating():
             if self._in_flight:
                 return self._finish_in_flight()
@@ -168,6 +256,7 @@ class EngineCore:
             self._failed_steps = 0
             if self._meter is not None:
                 self._meter.finished(so)
+        self._flush_kv()  # the blocks the step read out for consumers
         scheduled, self._scheduled = self._scheduled, {}
         return EngineCoreOutputs(outputs, self._stats(), time.time(), scheduled)
 
@@ -197,6 +286,12 @@ class EngineCore:
         if isinstance(self.scheduler.structured_output, XGrammarBackend):
             self.scheduler.structured_output.shutdown()
         self.close_kv_offload()
+        self.close_kv_transfer()
+
+    def close_kv_transfer(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
 
     def close_kv_offload(self) -> None:
         """Write the disk tier's queued blocks and stop its thread (a warm restart finds them)."""

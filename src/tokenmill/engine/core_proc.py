@@ -89,6 +89,7 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
         out.close()
         ctx.term()
         core.close_kv_offload()
+        core.close_kv_transfer()
     fast_exit(code)
 
 
@@ -107,11 +108,17 @@ class CoreLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
+        kv_sockets = self.core.kv_pollables()  # a KV producer's socket: a consumer's pull wakes the loop
+        for sock in kv_sockets:
+            poller.register(sock, zmq.POLLIN)
         last_check = time.monotonic()
         while not self.stopping:
             busy = self.core.has_unfinished_requests()
-            if poller.poll(0 if busy else _IDLE_POLL_MS):
+            events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
+            if self.inp in events:
                 self._drain()
+            if kv_sockets and not busy and self.core.pump_kv_transfer():  # (a busy core pumps in its step)
+                self._send(self.core.idle_outputs())
             if time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
                 if os.getppid() != self.parent_pid:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import ModelConfig
-from tokenmill.core.messages import EngineCoreRequest
+from tokenmill.core.messages import EngineCoreRequest, KVTransferParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import check_structured_outputs
 
@@ -23,10 +23,12 @@ PromptType = str | list[int] | dict[str, Any]
 @dataclass(frozen=True)
 class KVSharing:
     """How a request shares KV blocks with others (beam search): `hold` keeps its blocks once it
-    finishes, until it is aborted; `parent` names a kept request whose blocks it starts from."""
+    finishes, until it is aborted; `parent` names a kept request whose blocks it starts from; `transfer`
+    is its part in disaggregated prefill/decode, with another instance (core/kv_transfer.py)."""
 
     hold: bool = False
     parent: str | None = None
+    transfer: KVTransferParams | None = None
 
 
 @dataclass
@@ -142,4 +144,5 @@ class InputProcessor:
             params = params.clone(max_tokens=max_tokens)
         return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_ids,
                                  arrival_time or time.time(), priority, priority_class, group,
-                                 kv is not None and kv.hold, kv.parent if kv is not None else None)
+                                 kv is not None and kv.hold, kv.parent if kv is not None else None,
+                                 kv.transfer if kv is not None else None)

@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     "tokenmill.entrypoints.cli_run_batch",
     "tokenmill.entrypoints.cli_quantize",
     "tokenmill.entrypoints.cli_router",
+    "tokenmill.entrypoints.cli_disagg_proxy",
     "tokenmill.bench.cli",
     "tokenmill.bench.plan",
 ]

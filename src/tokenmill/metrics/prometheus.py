@@ -113,8 +113,17 @@ class EngineMetrics:
                                         "grammar was cached take none).", lab, registry=reg)
         self.grammar_seconds = Counter("tokenmill:grammar_compile_seconds", "Seconds spent compiling grammars "
                                        "(in the compile thread, off the step loop).", lab, registry=reg)
+        self.transfer_bytes = Counter("tokenmill:kv_transfer_bytes", "KV bytes sent to consumers (a KV producer) "
+                                      "and received from producers (a KV consumer), disaggregated prefill/decode.",
+                                      ["model_name", "direction"], registry=reg)
+        self.transfer_seconds = Counter("tokenmill:kv_transfer_seconds", "A KV consumer's seconds from asking for "
+                                        "a prompt's blocks to the last one in, summed over transfers.", lab,
+                                        registry=reg)
+        self.transfer_failures = Counter("tokenmill:kv_transfer_failures", "KV pulls that failed (the consumer "
+                                         "computed the prompt itself).", lab, registry=reg)
         self._requests: dict[str, _RequestTimes] = {}
         self._last_stats = SchedulerStats()
+        self._structured_seen: dict[str, float] = {}  # the grammar backend's counts already counted
         self.tracer: RequestTracer | None = None  # set by --otlp-traces-endpoint
 
     def render(self) -> bytes:
@@ -200,7 +209,14 @@ class EngineMetrics:
         if stats.kv_offload_bytes_offloaded or stats.kv_offload_bytes_loaded or stats.kv_offload_corrupt_blocks:
             self._tier_stats(stats, last)
         if stats.structured_requests or stats.structured_failed or stats.grammar_compiles:
-            self._structured_stats(stats, last)
+            self._structured_stats(stats)
+        if stats.kv_transfer_bytes_sent or stats.kv_transfer_bytes_received or stats.kv_transfer_failures:
+            self.transfer_bytes.labels(m, "sent").inc(
+                max(0, stats.kv_transfer_bytes_sent - last.kv_transfer_bytes_sent))
+            self.transfer_bytes.labels(m, "received").inc(
+                max(0, stats.kv_transfer_bytes_received - last.kv_transfer_bytes_received))
+            self.transfer_seconds.labels(m).inc(max(0.0, stats.kv_transfer_seconds - last.kv_transfer_seconds))
+            self.transfer_failures.labels(m).inc(max(0, stats.kv_transfer_failures - last.kv_transfer_failures))
         self._last_stats = stats
 
     def _tier_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
@@ -216,13 +232,23 @@ class EngineMetrics:
             counter.labels(m, label).inc(max(0, now - before))
         self.tier_corrupt.labels(m).inc(max(0, stats.kv_offload_corrupt_blocks - last.kv_offload_corrupt_blocks))
 
-    def _structured_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
-        m = self.model_name
-        for kind, n in stats.structured_requests.items():
-            self.structured.labels(m, kind).inc(max(0, n - last.structured_requests.get(kind, 0)))
-        self.structured_failed.labels(m).inc(max(0, stats.structured_failed - last.structured_failed))
-        self.grammar_compiles.labels(m).inc(max(0, stats.grammar_compiles - last.grammar_compiles))
-        self.grammar_seconds.labels(m).inc(max(0.0, stats.grammar_compile_seconds - last.grammar_compile_seconds))
+    def _structured_stats(self, stats: SchedulerStats) -> None:
+        """Each counter goes up by what the core's cumulative count passed since the highest seen (a stats
+        message without the grammar backend's counts leaves them)."""
+        m, seen = self.model_name, self._structured_seen
+        counts: dict[str, float] = {f"kind:{k}": n for k, n in stats.structured_requests.items()}
+        counts.update(failed=stats.structured_failed, compiles=stats.grammar_compiles,
+                      seconds=stats.grammar_compile_seconds)
+        for key, value in counts.items():
+            step = value - seen.get(key, 0)
+            if step <= 0:
+                continue
+            seen[key] = value
+            if key.startswith("kind:"):
+                self.structured.labels(m, key[len("kind:"):]).inc(step)
+            else:
+                {"failed": self.structured_failed, "compiles": self.grammar_compiles,
+                 "seconds": self.grammar_seconds}[key].labels(m).inc(step)
 
     def _spec_stats(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         m = self.model_name

@@ -73,8 +73,9 @@ def update_states(states: dict[str, CachedRequestState], so: SchedulerOutput, de
             if new.sampling_params.seed is not None:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(new.sampling_params.seed)
-            st = CachedRequestState(new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids),
-                                    new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+            st = CachedRequestState(new.req_id, [*new.prompt_token_ids, *new.output_token_ids],
+                                    len(new.prompt_token_ids), new.sampling_params, list(new.block_ids),
+                                    new.num_computed_tokens)
             sampling.add(new.req_id, SamplingRow(new.sampling_params, st.token_ids, st.num_prompt_tokens,
                                                  sampling.eos_token_ids, gen))
             states[new.req_id] = st

@@ -82,6 +82,10 @@ class SamplingRequest(OpenAIRequest):
     guided_grammar: NonEmptyStr | None = None
     guided_decoding_backend: str | None = None  # xgrammar is the one backend: accepted, ignored
     guided_whitespace_pattern: str | None = None  # accepted, ignored
+    # vLLM's disaggregated prefill/decode: {"do_remote_decode": true} asks a KV producer to compute the prompt
+    # and keep its blocks; {"do_remote_prefill": true, "remote_host", "remote_port", "remote_request_id"}
+    # (a producer's answer) asks a KV consumer to pull them and decode (serving_engine.kv_transfer_params)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -73,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
         prediction = self._prediction(req)
         if prediction:
             params = params.clone(prediction_token_ids=prediction)
-        streams = self.submit([prompt], [params], ids.engine_id, req.priority, raw)
+        transfer = self.kv_transfer_params(req, 1)
+        streams = self.submit([prompt], [params], ids.engine_id, req.priority, raw, transfer)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
             return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams, plan,
@@ -94,7 +95,11 @@ class OpenAIServingChat(OpenAIServing):
                                           usage=_usage(prompt, sum(len(c.token_ids) for c in final.outputs),
                                                        prediction, [c.token_ids for c in final.outputs]),
                                           prompt_logprobs=prompt_lp)
-        return JSONResponse(response.model_dump(), headers=headers)
+        body = response.model_dump()
+        kv_answer = self.kv_transfer_answer(transfer, ids.engine_id, [c.finish_reason for c in final.outputs])
+        if kv_answer is not None:
+            body["kv_transfer_params"] = kv_answer
+        return JSONResponse(body, headers=headers)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,

@@ -45,6 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
+        transfer = self.kv_transfer_params(req, len(prompts))
         if req.use_beam_search:
             return await self._beam_search(req, raw, prompts, ids)
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if req.echo
@@ -52,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(req, 1 if echo_only else self.max_tokens(len(p.prompt_token_ids),
                                                                                  req.max_tokens),
                                        req.logprobs, prompt_logprobs, bool(req.stream)) for p in prompts]
-        streams = self.submit(prompts, params, ids.engine_id, req.priority, raw)
+        streams = self.submit(prompts, params, ids.engine_id, req.priority, raw, transfer)
         view = _ChoiceBuilder(self, req, prompts, echo_only)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
@@ -62,7 +63,11 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [view.choice(i, comp, final) for i, final in enumerate(finals) for comp in final.outputs]
         response = CompletionResponse(id=ids.response_id, model=self.ctx.model_name, choices=choices,
                                       usage=view.usage())
-        return JSONResponse(response.model_dump(), headers=headers)
+        body = response.model_dump()
+        answer = self.kv_transfer_answer(transfer, ids.engine_id, [c.finish_reason for c in choices])
+        if answer is not None:
+            body["kv_transfer_params"] = answer
+        return JSONResponse(body, headers=headers)
 
     async def _beam_search(self, req: CompletionRequest, raw: Request, prompts: list[ProcessedPrompt],
                            ids: RequestIds) -> Response:

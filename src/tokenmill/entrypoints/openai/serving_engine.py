@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from tokenmill.core.messages import KVTransferParams
 from tokenmill.core.request import PriorityClass
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
-from tokenmill.engine.input_processor import ProcessedPrompt, resolve_max_tokens
+from tokenmill.engine.input_processor import KVSharing, ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.middleware import BATCH_SCOPE_KEY
 from tokenmill.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
@@ -182,8 +183,54 @@ class OpenAIServing:
                     words.append(tokens)
         return words
 
+    def kv_transfer_params(self, req: SamplingRequest, num_prompts: int) -> KVTransferParams | None:
+        """A request's `kv_transfer_params`, checked against this server's `--kv-transfer-config` role (a 400
+        that says what is wrong); None where it asks for no transfer."""
+        raw = req.kv_transfer_params
+        if raw is None:
+            return None
+        produce, consume = raw.get("do_remote_decode") is True, raw.get("do_remote_prefill") is True
+        if not produce and not consume:
+            return None
+        field_name = "kv_transfer_params"
+        role = self.engine.config.kv_transfer
+        if produce and consume:
+            raise bad_request("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
+                              field_name)
+        if role is None or (produce and not role.is_producer) or (consume and not role.is_consumer):
+            need = "kv_producer" if produce else "kv_consumer"
+            raise bad_request(f"kv_transfer_params: this server is not a KV {need.split('_')[1]} (start it with "
+                              f"--kv-transfer-config '{{\"kv_role\": \"{need}\"}}' or kv_both)", field_name)
+        if num_prompts != 1 or req.n != 1 or req.prompt_logprobs is not None or getattr(req, "use_beam_search", False):
+            raise bad_request("kv_transfer_params: a disaggregated request has one prompt, n=1, no prompt_logprobs "
+                              "and no beam search", field_name)
+        if produce:
+            if req.stream:
+                raise bad_request("kv_transfer_params: do_remote_decode answers once; send stream false", "stream")
+            return KVTransferParams(do_remote_decode=True)
+        host, port, remote = raw.get("remote_host"), raw.get("remote_port"), raw.get("remote_request_id")
+        if not isinstance(host, str) or not host or not isinstance(remote, str) or not remote:
+            raise bad_request("kv_transfer_params: do_remote_prefill needs remote_host and remote_request_id "
+                              "(strings, from the producer's answer)", field_name)
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise bad_request(f"kv_transfer_params: remote_port must be a TCP port, got {port!r}", field_name)
+        return KVTransferParams(do_remote_prefill=True, remote_host=host, remote_port=port, remote_request_id=remote)
+
+    def kv_transfer_answer(self, transfer: KVTransferParams | None, engine_id: str,
+                           finish_reasons: list[str | None]) -> dict[str, Any] | None:
+        """A producer's `kv_transfer_params` in its answer: where a consumer pulls the prompt's blocks."""
+        role = self.engine.config.kv_transfer
+        if transfer is None or not transfer.do_remote_decode or role is None:
+            return None
+        if not all(r in ("stop", "length") for r in finish_reasons):
+            return None  # (the blocks are kept only for a request that finished)
+        return {"do_remote_decode": False, "do_remote_prefill": True,
+                "remote_engine_id": role.engine_id or f"{role.kv_ip}:{role.kv_port}", "remote_host": role.kv_ip,
+                "remote_port": role.kv_port, "remote_request_id": engine_id, "remote_block_ids": None}
+
     def submit(self, prompts: list[ProcessedPrompt], params: list[SamplingParams], request_id: str,
-               priority: int = 0, raw: Request | None = None) -> list[RequestStream]:
+               priority: int = 0, raw: Request | None = None,
+               kv_transfer: KVTransferParams | None = None) -> list[RequestStream]:
         """All prompts or none: a failure aborts those already submitted. A request the batch runner
         sends (`raw`'s scope names its batch) runs in the batch priority class."""
         batch = raw.scope.get(BATCH_SCOPE_KEY) if raw is not None else None
@@ -194,7 +241,7 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.add_request(
                     {"prompt": prompt.prompt, "prompt_token_ids": prompt.prompt_token_ids}, p, rid, priority,
-                    priority_class, batch or ""))
+                    priority_class, batch or "", KVSharing(transfer=kv_transfer) if kv_transfer else None))
         except BaseException as e:
             for s in streams:
                 s.abort()

@@ -121,17 +121,19 @@ class Router:
             headers["x-request-id"] = request.headers["x-request-id"]
         return headers
 
-    async def probe(self, replica: Replica) -> None:
+    async def probe(self, replica: Replica, pool: ReplicaPool | None = None) -> None:
+        """One /health probe of a replica of `pool` (the router's own by default)."""
+        pool = pool or self.pool
         try:
             r = await self.client.get(f"{replica.url}/health", timeout=2.0)
             ok = r.status_code == 200
         except httpx.HTTPError:
             ok = False
         if not ok:
-            self.pool.mark_failed(replica)
+            pool.mark_failed(replica)
             return
         fresh = not replica.healthy
-        self.pool.mark_ok(replica)
+        pool.mark_ok(replica)
         if fresh or not replica.models:
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 r = await self.client.get(f"{replica.url}/v1/models", timeout=5.0,
@@ -149,14 +151,13 @@ class Router:
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_request") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object", code="invalid_request")
+        body = parse_body(raw)
         hashes = prefix_hashes(routing_key(path, body), self.config.prefix_chunks)
-        headers = self.headers_for(request)
+        return await self.dispatch(path, raw, self.headers_for(request), hashes)
+
+    async def dispatch(self, path: str, raw: bytes, headers: dict[str, str], hashes: list[int]) -> Response:
+        """POST raw to a replica the policy chooses and relay its answer; another replica where one cannot be
+        reached or has lost its engine, while nothing of the answer has reached the client."""
         tried: set[str] = set()
         for _attempt in range(self.config.max_attempts):
             replica = self.pool.choose(hashes, exclude=tried)
@@ -211,6 +212,17 @@ class Router:
 
         return StreamingResponse(chunks(), status_code=response.status_code, headers=headers,
                                  media_type=response.headers.get("content-type"))
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, else a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_request") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_request")
+    return body
 
 
 def build_app(config: RouterConfig) -> FastAPI:
