@@ -251,7 +251,8 @@ class EngineArgs:
                                         "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
     distributed_executor_backend: str | None = _arg(
         None, "how the ranks run: " + ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS) + " (uni: in the engine's "
-              "process; mp: a process per rank on this machine; default: mp above one rank, else uni)")
+              "process; mp: a process per rank on this machine; ray: a Ray actor per rank on the Ray cluster "
+              "RAY_ADDRESS names, else a local one; default: mp above one rank, else uni)")
     attention_backend: str = _arg("auto", "attention implementation: cpu (tokenmill's C++ kernels), sdpa "
                                           "(torch's scaled_dot_product_attention), torch_ref (the plain "
                                           "reference), triton (paged Triton kernels and fused Triton layers, "
