@@ -20,6 +20,7 @@ TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    data_parallel_size: int = 1  # engine-core replicas behind one server (each of world_size ranks)
 
     @property
     def world_size(self) -> int:
