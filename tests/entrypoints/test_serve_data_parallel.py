@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from tests.conftest import random_prompts
-from tests.entrypoints.server import RemoteServer
+from tests.entrypoints.server import RemoteServer, free_port
+from tests.entrypoints.test_serve_cli import assert_one_line_error, serve
 from tests.entrypoints.test_serve_lifecycle import LONG, assert_stream_error, stream_lines
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.messages import SchedulerStats, StepStats
@@ -144,3 +145,8 @@ def test_offline_llm_runs_one_replica(llama_dir: str) -> None:
         LLM(llama_dir, data_parallel_size=2)
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1, got 0"):
         LLM(llama_dir, data_parallel_size=0)
+
+
+def test_bad_sizes_are_one_line_at_start(llama_dir: str) -> None:
+    assert_one_line_error(serve(llama_dir, "--port", str(free_port()), "--data-parallel-size", "0"),
+                          "data_parallel_size must be an integer >= 1, got 0")

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from tests.entrypoints.server import RemoteServer, free_port
+from tests.entrypoints.test_serve_cli import assert_one_line_error, serve
 from tests.executor.ray_cluster import local_ray_cluster
 from tests.executor.test_multiproc import DEADLINE_S, gone, step_until_error
 from tests.models.test_golden import MAX_TOKENS, PROMPTS, check_prefix_hits, expected, greedy, run
@@ -106,6 +107,9 @@ def test_unreachable_address(llama_dir: str, monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match=f"the Ray cluster at {address} \\(RAY_ADDRESS\\) is not reachable"):
         ray_llm(llama_dir)
     assert time.monotonic() - started < 15
+    result = serve(llama_dir, "--port", str(free_port()), "--tensor-parallel-size", "2",
+                   "--distributed-executor-backend", "ray")  # (the server's child inherits RAY_ADDRESS)
+    assert_one_line_error(result, f"the Ray cluster at {address} (RAY_ADDRESS) is not reachable")
 
 
 def test_more_ranks_than_the_cluster_places(ray_address: str, llama_dir: str,

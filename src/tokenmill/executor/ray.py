@@ -35,7 +35,7 @@ import pickle
 import queue
 import socket
 import threading
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 import ray
@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0  # how long the ranks' placement group may wait for free CPUs
 _CONNECT_TIMEOUT_S = 5.0  # how long RAY_ADDRESS's port gets to answer
+_PEER_DEATH_GRACE_S = 3.0  # how long a rank's failed step waits for a peer's death to explain it
 _WATCH_GROUP = "watch"  # the actors' concurrency group of the call that ends only with the actor
 
 
@@ -118,7 +119,7 @@ class RayExecutor(Executor):
         self._where: list[tuple[str, int]] = []
         self._pg: PlacementGroup | None = None
         self._owns_ray = False
-        self._watches: list[Any] = []
+        self._watches: list[Future[Any]] = []
         try:
             self._connect()
             self._place()
@@ -293,7 +294,15 @@ class RayExecutor(Executor):
             return
         reply: _Reply | None = answer.result()
         if reply is not None and reply.fatal:
-            self._worker_died(rank, f"failed a step and was stopped: {reply.error}")
+            # a peer's death fails this rank's collectives first: where an actor's watch fails within the
+            # grace, that death is the cause to report
+            wait(self._watches, timeout=_PEER_DEATH_GRACE_S, return_when=FIRST_EXCEPTION)
+            dead = next((r for r, w in enumerate(self._watches) if w.done() and w.exception() is not None), None)
+            if dead is not None and dead != rank:
+                self._worker_died(dead, f"died: {_first_line(self._watches[dead].exception())}"  # type: ignore[arg-type]
+                                  f" (rank {rank} then failed its step)")
+            else:
+                self._worker_died(rank, f"failed a step and was stopped: {reply.error}")
             return
         if outer is None or outer.done():
             return
