@@ -79,6 +79,7 @@ def test_two_replicas(llama_dir: str) -> None:
             # its three blocks, every time after the first
             assert prefix_hits(http) - hits >= (len(same_prefix) - 1) * 96
             assert http.get("/health").status_code == 200
+            decoded = decode_tokens(http)
             for _ in range(2):  # streams dropped after their first token: aborted in their replica
                 with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
                     next(r.iter_lines())
@@ -86,8 +87,17 @@ def test_two_replicas(llama_dir: str) -> None:
             while not idle(http.get("/metrics").text):
                 assert time.monotonic() < deadline, "aborted requests still run"
                 time.sleep(0.1)
+            # the replicas' steps stopped them: not both ran to their 500 tokens
+            assert decode_tokens(http) - decoded < 500, (decoded, decode_tokens(http))  # (LONG's max_tokens)
     finally:
         assert srv.stop() == 0
+
+
+def decode_tokens(http: httpx.Client) -> float:
+    """Output tokens the replicas' steps computed (their summed step counter)."""
+    m = re.search(r"^tokenmill:step_decode_tokens_total\{[^}]*\} (\S+)$", http.get("/metrics").text, re.M)
+    assert m is not None
+    return float(m.group(1))
 
 
 def idle(metrics: str) -> bool:
