@@ -56,6 +56,9 @@ class _Call:
     kwargs: dict[str, Any] = field(default_factory=dict)
     reply_ranks: int = 1  # the ranks below this answer
 
+    def answered_by(self, rank: int) -> bool:
+        return rank < self.reply_ranks
+
 
 @dataclass
 class _Reply:
@@ -348,7 +351,7 @@ def _serve(worker: Any, rank: int, calls: connection.Connection, replies: connec
         if call.method == _SHUTDOWN:
             return 0
         reply = run_call(worker, rank, call)
-        if reply.fatal or rank < call.reply_ranks:
+        if reply.fatal or call.answered_by(rank):
             replies.send(reply)
         if reply.fatal:
             return 1

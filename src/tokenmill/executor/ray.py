@@ -268,9 +268,11 @@ class RayExecutor(Executor):
                 call = _with_bitmasks(call)
                 data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)  # once, whatever the ranks
                 seq, self._seq = self._seq, self._seq + 1
+                answering = [rank for rank in range(self.world_size) if call.answered_by(rank)]
+                outer_of = dict(zip(answering, outers, strict=True))
                 for rank, actor in enumerate(self._actors):
-                    answer = actor.call.remote(seq, data, rank < call.reply_ranks).future()
-                    outer = outers[rank] if rank < call.reply_ranks else None
+                    answer = actor.call.remote(seq, data, rank in outer_of).future()
+                    outer = outer_of.get(rank)
                     answer.add_done_callback(lambda f, rank=rank, outer=outer: self._answers.put((rank, f, outer)))
             except BaseException as e:  # (a dead executor; a bitmask that failed)
                 for outer in outers:
