@@ -102,7 +102,12 @@ class DataParallelClient:
             except ValueError as e:
                 raise ValueError(f"data-parallel replica {i}: {e}") from None
 
-        readies = await asyncio.gather(*(ready(i) for i in range(self.size)))
+        waits = [asyncio.ensure_future(ready(i)) for i in range(self.size)]
+        try:
+            readies = await asyncio.gather(*waits)
+        finally:
+            for w in waits:  # (the others' waits, after one failed)
+                w.cancel()
         for i, client in enumerate(self.clients):
             self.pool.mark_ok(self.pool.replicas.setdefault(self.names[i], Replica(self.names[i])))
             self._readers.append(asyncio.get_running_loop().create_task(self._read(i, client)))
