@@ -50,5 +50,9 @@ def local_ray_cluster(num_cpus: int = CLUSTER_CPUS) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        for _ in range(10):  # (Ray's processes may still be writing their logs as they end)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            if not os.path.exists(temp_dir):
+                break
+            time.sleep(0.5)
         log.close()
