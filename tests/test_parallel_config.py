@@ -62,13 +62,21 @@ def test_what_tensor_parallel_does_not_run(llama_dir: str, model_dirs: dict[str,
 
 
 @pytest.mark.parametrize(("backend", "tp", "match"), [
-    ("ray", 2, "'ray' is not built yet; use 'mp'"),
     ("threads", 1, r"distributed_executor_backend must be one of \['uni', 'mp', 'ray'\], got 'threads'"),
     ("uni", 2, "'uni' runs one rank; tensor_parallel_size 2 needs 'mp'"),
 ])
 def test_backends_refused(llama_dir: str, backend: str, tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         EngineArgs(llama_dir, tensor_parallel_size=tp, distributed_executor_backend=backend).create_engine_config()
+
+
+def test_ray_backend_without_ray(llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"'ray' needs Ray, which is not installed: pip install 'tokenmill\[ray\]'"):
+        EngineArgs(llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray").create_engine_config()
 
 
 @pytest.mark.parametrize("tiers", [{"kv_offload_memory": "64MiB"},

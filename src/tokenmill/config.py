@@ -7,6 +7,7 @@ This module imports no torch, so the pure-Python core can use these types.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -251,9 +252,14 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "split each layer over this many ranks (a process each, torch.distributed "
                                         "over gloo on a CPU): attention heads, KV heads, MLP and vocabulary; "
                                         "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
+    data_parallel_size: int = _arg(1, "`tokenmill serve`: run this many engine-core replicas (a process each, with "
+                                      "its own executor and KV cache, and its share of --num-threads and "
+                                      "--kv-cache-memory) behind the one server; requests go to the least "
+                                      "loaded, or to the one holding their prompt's prefix")
     distributed_executor_backend: str | None = _arg(
         None, "how the ranks run: " + ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS) + " (uni: in the engine's "
-              "process; mp: a process per rank on this machine; default: mp above one rank, else uni)")
+              "process; mp: a process per rank on this machine; ray: a Ray actor per rank on the Ray cluster "
+              "RAY_ADDRESS names, else a local one; default: mp above one rank, else uni)")
     attention_backend: str = _arg("auto", "attention implementation: cpu (tokenmill's C++ kernels), sdpa "
                                           "(torch's scaled_dot_product_attention), torch_ref (the plain "
                                           "reference), triton (paged Triton kernels and fused Triton layers, "
@@ -321,6 +327,7 @@ class EngineArgs:
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
         parallel = resolve_parallel_config(self.tensor_parallel_size, self.distributed_executor_backend, arch,
                                            device, runner, model.quantization is not None, spec is not None)
+        parallel = dataclasses.replace(parallel, data_parallel_size=self._data_parallel_size(runner))
         if parallel.world_size > 1 and (self.kv_offload_memory is not None or self.kv_offload_disk is not None
                                         or self.preemption_mode == "swap"):
             # a rank's blocks hold only its heads, and the tiers move rank 0's bytes alone
@@ -357,6 +364,15 @@ class EngineArgs:
             parallel=parallel,
             kv_transfer=kv_transfer,
         )
+
+    def _data_parallel_size(self, runner: str) -> int:
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
+        if dp > 1 and runner != "generate":
+            raise ValueError("data parallelism runs generating models; an embedding server (--runner pooling) runs "
+                             "one replica: use data_parallel_size 1")
+        return dp
 
     def _runner(self, arch: ArchConfig) -> str:
         runner = self.runner

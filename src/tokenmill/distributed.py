@@ -52,11 +52,13 @@ class TensorParallel:
         return self.rank * num_kv_heads // self.size, 1
 
 
-def init_tensor_parallel(rank: int, size: int, init_file: str) -> TensorParallel:
-    """Join the gloo group of `size` ranks that rendezvous through `init_file` (a path no other
-    group uses); returns this rank's TensorParallel."""
+def init_tensor_parallel(rank: int, size: int, init: str) -> TensorParallel:
+    """Join the gloo group of `size` ranks that rendezvous through `init`: a file path no other group
+    uses (ranks on one machine), or a URL such as rank 0's `tcp://host:port` (ranks on several
+    machines); returns this rank's TensorParallel."""
     if size > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+        init_method = init if "://" in init else f"file://{init}"
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                 timeout=_COLLECTIVE_TIMEOUT)
     return TensorParallel(rank, size)
 

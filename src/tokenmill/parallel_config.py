@@ -3,12 +3,13 @@ ranks, validated once at start-up (torch-free, like the other descriptions)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from tokenmill.arch import ArchConfig
 
 # uni: one worker in the engine core's process; mp: one process per rank on this machine (the default
-# above one rank); ray: placement on a Ray cluster (not built yet)
+# above one rank); ray: a Ray actor per rank, placed on a Ray cluster (executor/ray.py)
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # the architectures whose model shards its layers (models/llama.py)
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -19,6 +20,7 @@ TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    data_parallel_size: int = 1  # engine-core replicas behind one server (each of world_size ranks)
 
     @property
     def world_size(self) -> int:
@@ -40,9 +42,9 @@ def resolve_parallel_config(tensor_parallel_size: int, backend: str | None, arch
     if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {list(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                          f"got {backend!r}")
-    if backend == "ray":
-        raise ValueError("distributed_executor_backend 'ray' is not built yet; use 'mp' (a process per rank "
-                         "on this machine)")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not installed: "
+                         "pip install 'tokenmill[ray]' (or use 'mp', a process per rank on this machine)")
     if backend == "uni" and tp > 1:
         raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size {tp} needs 'mp'")
     if tp > 1:

@@ -16,14 +16,14 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.core.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.core.request import PriorityClass
-from tokenmill.engine.core_client import CoreClient
+from tokenmill.engine.core_client import CoreClient, EngineCoreClient
 from tokenmill.engine.input_processor import InputProcessor, KVSharing, PromptType, load_tokenizer
 from tokenmill.engine.llm_engine import child_requests
 from tokenmill.engine.output_processor import OutputProcessor
@@ -113,7 +113,7 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, client: CoreClient, tokenizer: Any,
+    def __init__(self, config: EngineConfig, client: EngineCoreClient, tokenizer: Any,
                  max_queue_len: int | None = None) -> None:
         self.config = config
         self.client = client
@@ -134,13 +134,15 @@ class AsyncLLM:
 
     @classmethod
     async def from_engine_args(cls, args: EngineArgs, max_queue_len: int | None = None,
-                               log_level: str = "WARNING") -> AsyncLLM:
-        """Starts the core process, then validates the config and loads the tokenizer here while
-        the core loads the model."""
+                               log_level: str = "WARNING",
+                               client_factory: Callable[[EngineArgs, str], EngineCoreClient] = CoreClient,
+                               ) -> AsyncLLM:
+        """Starts the core process (or the processes `client_factory` starts), then validates the config
+        and loads the tokenizer here while the core loads the model."""
         if max_queue_len is not None and max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
         start = time.perf_counter()
-        client = CoreClient(args, log_level)  # first: the core's imports and model load overlap ours
+        client = client_factory(args, log_level)  # first: the core's imports and model load overlap ours
         try:
             config = await asyncio.to_thread(args.create_engine_config)
             tokenizer = await asyncio.to_thread(load_tokenizer, config.model.tokenizer)
@@ -165,6 +167,11 @@ class AsyncLLM:
     @property
     def dead_error(self) -> EngineDeadError | None:
         return self._error or self.client.dead
+
+    @property
+    def health_error(self) -> EngineDeadError | None:
+        """Why /health fails: the engine's death, or a data-parallel replica lost while the others serve."""
+        return self.dead_error or self.client.lost
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
@@ -207,7 +214,7 @@ class AsyncLLM:
     def _check_capacity(self, n: int) -> None:
         if self.max_queue_len is None:
             return
-        capacity = self.config.scheduler.max_num_seqs + self.max_queue_len
+        capacity = self.config.scheduler.max_num_seqs * self.config.parallel.data_parallel_size + self.max_queue_len
         if n > capacity:
             raise ValueError(f"n ({n}) is more than this server's capacity of {capacity} sequences")
         if sum(self._num_seqs.values()) + n > capacity:

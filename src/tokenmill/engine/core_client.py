@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -40,8 +40,35 @@ from tokenmill.engine.wire import (
 logger = logging.getLogger(__name__)
 
 
+class EngineCoreClient(Protocol):
+    """What AsyncLLM needs of its engine core: a CoreClient (one core process), or a client over several
+    replicas of it (`--data-parallel-size`, entrypoints/router/data_parallel.py)."""
+
+    dead: EngineDeadError | None  # no core serves any more
+    lost: EngineDeadError | None  # a replica is gone while others serve (/health reports it)
+
+    @property
+    def pid(self) -> int | None: ...
+
+    async def wait_ready(self) -> CoreReady: ...
+
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None: ...
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    async def call_utility(self, method: str) -> Any: ...
+
+    async def get_output(self) -> EngineCoreOutputs: ...
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...
+
+
 class CoreClient:
     """Owns the core process and both sockets. Use from one asyncio event loop."""
+
+    lost: EngineDeadError | None = None  # (one core: its loss is `dead`)
 
     def __init__(self, args: EngineArgs, log_level: str = "WARNING") -> None:
         self.tmpdir = tempfile.mkdtemp(prefix="tokenmill-")

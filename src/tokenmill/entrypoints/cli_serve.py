@@ -176,9 +176,18 @@ def run(args: argparse.Namespace) -> int:
 
             code = asyncio.run(run_embedding_server(args, config, STARTED_AT))
         else:
-            code = asyncio.run(run_server(args, engine_args, template, STARTED_AT))
+            code = asyncio.run(run_server(args, engine_args, template, STARTED_AT, **_data_parallel(engine_args)))
     except KeyboardInterrupt:
         code = 130
     except SystemExit as e:  # SIGTERM while the engine loads
         code = e.code if isinstance(e.code, int) else 1
     fast_exit(code)  # both processes are down
+
+
+def _data_parallel(engine_args: EngineArgs) -> dict[str, Any]:
+    """The engine-core client over N replicas where --data-parallel-size N asks for them."""
+    if engine_args.data_parallel_size == 1:
+        return {}
+    from tokenmill.entrypoints.router.data_parallel import DataParallelClient
+
+    return {"client_factory": DataParallelClient}

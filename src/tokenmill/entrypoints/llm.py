@@ -25,6 +25,9 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         config = EngineArgs(model=model, **engine_args).create_engine_config()
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs under `tokenmill serve --data-parallel-size N` (a process "
+                             "per replica); the offline LLM runs one replica: use data_parallel_size 1")
         pooling = config.model.runner == "pooling"
         self.embedding_engine = EmbeddingEngine(config, skip_tokenizer_init) if pooling else None
         self._engine = None if pooling else LLMEngine(config, skip_tokenizer_init)

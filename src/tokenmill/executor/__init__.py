@@ -12,6 +12,10 @@ def create_executor(config: EngineConfig) -> Executor:
         from tokenmill.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
+    if config.parallel.distributed_executor_backend == "ray":
+        from tokenmill.executor.ray import RayExecutor
+
+        return RayExecutor(config)
     from tokenmill.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config)

@@ -56,6 +56,9 @@ class _Call:
     kwargs: dict[str, Any] = field(default_factory=dict)
     reply_ranks: int = 1  # the ranks below this answer
 
+    def answered_by(self, rank: int) -> bool:
+        return rank < self.reply_ranks
+
 
 @dataclass
 class _Reply:
@@ -247,12 +250,10 @@ class MultiprocExecutor(Executor):
             future = self._pending[rank].popleft() if self._pending[rank] else None
         if future is None:  # a silent rank's report of the step it failed
             return True
-        if reply.error is None:
+        if (error := reply_error(rank, reply)) is None:
             future.set_result(reply.result)
-        elif reply.value_error:
-            future.set_exception(ValueError(reply.error))
         else:
-            future.set_exception((WorkerDied if reply.fatal else RuntimeError)(f"worker rank {rank}: {reply.error}"))
+            future.set_exception(error)
         return True
 
     def _worker_died(self, rank: int) -> None:
@@ -283,6 +284,15 @@ class MultiprocExecutor(Executor):
         for f in pending:
             if not f.done():
                 f.set_exception(error)
+
+
+def reply_error(rank: int, reply: _Reply) -> Exception | None:
+    """The error a rank's reply stands for, as the caller sees it; None for a result."""
+    if reply.error is None:
+        return None
+    if reply.value_error:
+        return ValueError(reply.error)
+    return (WorkerDied if reply.fatal else RuntimeError)(f"worker rank {rank}: {reply.error}")
 
 
 def _with_bitmasks(call: _Call) -> _Call:
@@ -340,18 +350,21 @@ def _serve(worker: Any, rank: int, calls: connection.Connection, replies: connec
             return 0
         if call.method == _SHUTDOWN:
             return 0
-        try:
-            result = getattr(worker, call.method)(*call.args, **call.kwargs)
-        except Exception as e:
-            logger.exception("worker rank %d: %s failed", rank, call.method)
-            fatal = call.method in _STEP_METHODS
-            if fatal or rank < call.reply_ranks:
-                replies.send(_Reply(error=_describe(e), value_error=isinstance(e, ValueError), fatal=fatal))
-            if fatal:
-                return 1
-            continue
-        if rank < call.reply_ranks:
-            replies.send(_Reply(result))
+        reply = run_call(worker, rank, call)
+        if reply.fatal or call.answered_by(rank):
+            replies.send(reply)
+        if reply.fatal:
+            return 1
+
+
+def run_call(worker: Any, rank: int, call: _Call) -> _Reply:
+    """One call on this rank's worker (every executor's ranks run calls so): its result, or its error
+    as the executor reports it, `fatal` where a failed step leaves the group out of step."""
+    try:
+        return _Reply(getattr(worker, call.method)(*call.args, **call.kwargs))
+    except Exception as e:
+        logger.exception("worker rank %d: %s failed", rank, call.method)
+        return _Reply(error=_describe(e), value_error=isinstance(e, ValueError), fatal=call.method in _STEP_METHODS)
 
 
 def _describe(e: BaseException) -> str:

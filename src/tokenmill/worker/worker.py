@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     """`rank` of the tensor-parallel group, which its ranks join through `distributed_init` (a file
-    path for torch.distributed's rendezvous; None for a single rank)."""
+    path or a tcp:// URL for torch.distributed's rendezvous; None for a single rank)."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init: str | None = None) -> None:
         self.config = config

@@ -18,11 +18,13 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.core_client import CoreClient, EngineCoreClient
 
 if TYPE_CHECKING:
     import uvicorn
@@ -97,15 +99,17 @@ def _register_with_router(args: argparse.Namespace, port: int) -> asyncio.Task[N
 
 
 async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_template: str | None,
-                     launched: float | None = None) -> int:
+                     launched: float | None = None,
+                     client_factory: Callable[[EngineArgs, str], EngineCoreClient] = CoreClient) -> int:
     """Serves until SIGINT/SIGTERM or the engine core's death; returns the exit status (lifecycle's
-    EXIT_*). `launched` (a time.time()) is what "ready in" counts from."""
+    EXIT_*). `launched` (a time.time()) is what "ready in" counts from; `client_factory` starts the
+    engine core (--data-parallel-size: its replicas)."""
     launched = time.time() if launched is None else launched
     sock = bind_socket(args.host, args.port)
     try:
         signal.signal(signal.SIGTERM, _raise_exit)  # while loading; the server handles it once up
         starting = asyncio.ensure_future(AsyncLLM.from_engine_args(
-            engine_args, args.max_queue_len, logging.getLevelName(logging.getLogger().level)))
+            engine_args, args.max_queue_len, logging.getLevelName(logging.getLogger().level), client_factory))
         await asyncio.sleep(0)  # the task starts the core process before the web stack is imported
         import uvicorn
 
@@ -130,6 +134,9 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
         # first request that has one
         asyncio.get_running_loop().run_in_executor(None, importlib.import_module, "xgrammar")
         observability.apply(engine, args)
+        pids = getattr(engine.client, "pids", None)  # data parallelism: a core process per replica
+        if pids is not None:
+            engine.metrics.registry.register(engine.client.collector())  # type: ignore[attr-defined]
         lifecycle = ServerLifecycle(engine, args.shutdown_timeout)
         batch_config = config_from_args(args)
         batches = serving_batch.open_runner(batch_config)
@@ -139,7 +146,9 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
                                 timeout_graceful_shutdown=int(CLOSE_GRACE), timeout_keep_alive=30)
         port = sock.getsockname()[1]
         line = (f"tokenmill serving {name} on http://{args.host}:{port} "
-                f"(engine core pid {engine.client.pid}, {engine.num_blocks} KV blocks)")
+                f"(engine core pid {engine.client.pid}, {engine.num_blocks} KV blocks"
+                + (f"; {len(pids)} data-parallel replicas, engine core pids {', '.join(map(str, pids))})"
+                   if pids is not None else ")"))
         server = _make_server(config, line, launched, lifecycle)
         lifecycle.start(lambda: setattr(server, "should_exit", True))
         await batches.start()  # resumes the batches a stop or a crash left unfinished

@@ -61,7 +61,7 @@ def build_app(ctx: ServerContext, api_key: str | list[str] | None = None,
     card = ModelCard(id=ctx.model_name, root=ctx.model_root, max_model_len=engine.config.model.max_model_len)
 
     async def health() -> Response:
-        error = engine.dead_error
+        error = engine.health_error
         if error is not None:
             return engine_dead(error).response()
         return Response(status_code=200)
