@@ -77,6 +77,6 @@ def test_backends_refused(llama_dir: str, backend: str, tp: int, match: str) -> 
 def test_kv_tiers_refused_with_tensor_parallelism(llama_dir: str, tiers: dict[str, str], tmp_path: Path) -> None:
     # a rank's blocks hold only its heads, so the tiers (which move rank 0's bytes) are refused at start
     tiers = {k: str(tmp_path / "kv") if v == "DIR" else v for k, v in tiers.items()}
-    with pytest.raises(ValueError, match="not built for tensor parallelism"):
+    with pytest.raises(ValueError, match="not built for tensor or pipeline parallelism"):
         EngineArgs(llama_dir, tensor_parallel_size=2, **tiers).create_engine_config()  # type: ignore[arg-type]
     EngineArgs(llama_dir, tensor_parallel_size=1, **tiers).create_engine_config()  # type: ignore[arg-type]

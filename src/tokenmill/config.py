@@ -87,7 +87,7 @@ class EngineConfig:
     attention_backend: str
     speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
     log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism, the executor
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor and pipeline parallelism, the executor
 
 
 # speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
@@ -249,6 +249,10 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "split each layer over this many ranks (a process each, torch.distributed "
                                         "over gloo on a CPU): attention heads, KV heads, MLP and vocabulary; "
                                         "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
+    pipeline_parallel_size: int = _arg(1, "split the layer stack into this many stages of contiguous layers (a "
+                                          "process per rank, tensor_parallel_size ranks per stage; hidden "
+                                          "states passed between stages over gloo); the same models as "
+                                          "--tensor-parallel-size")
     distributed_executor_backend: str | None = _arg(
         None, "how the ranks run: " + ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS) + " (uni: in the engine's "
               "process; mp: a process per rank on this machine; default: mp above one rank, else uni)")
@@ -314,12 +318,14 @@ class EngineArgs:
         )
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
         parallel = resolve_parallel_config(self.tensor_parallel_size, self.distributed_executor_backend, arch,
-                                           device, runner, model.quantization is not None, spec is not None)
+                                           device, runner, model.quantization is not None, spec is not None,
+                                           self.pipeline_parallel_size)
         if parallel.world_size > 1 and (self.kv_offload_memory is not None or self.kv_offload_disk is not None
                                         or self.preemption_mode == "swap"):
-            # a rank's blocks hold only its heads, and the tiers move rank 0's bytes alone
+            # a rank's blocks hold only its heads (its stage's layers), and the tiers move one rank's bytes alone
             raise ValueError("the KV tiers (--kv-offload-memory, --kv-offload-disk, --preemption-mode swap) are not "
-                             "built for tensor parallelism yet; use tensor_parallel_size 1")
+                             "built for tensor or pipeline parallelism yet; use tensor_parallel_size 1 and "
+                             "pipeline_parallel_size 1")
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
                             else default_async_scheduling(device, self.num_threads))
         return EngineConfig(

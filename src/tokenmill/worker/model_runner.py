@@ -1,5 +1,9 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged KV cache (or the fused decode
-path where it applies), samples. The Worker (worker.py) builds it once the KV cache is bound."""
+path where it applies), samples. The Worker (worker.py) builds it once the KV cache is bound.
+
+On a pipeline stage (`PipelineParallel`) the runner receives the previous stage's hidden states before
+its layers and sends its own after them; the last stage samples and shares the sampled tokens with the
+earlier stages, whose request states (and the next step's inputs) need them."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,7 +27,10 @@ from tokenmill.attention.backend import (
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed import PipelineParallel
 from tokenmill.kv_cache_spec import KVCacheConfig
+from tokenmill.models.interface import IntermediateTensors
+from tokenmill.models.loader import TORCH_DTYPES
 from tokenmill.spec_decode.proposer import ProposalInput, Proposer
 from tokenmill.worker.cuda_graphs import DecodeGraphs, graphable
 from tokenmill.worker.fused_decode import FusedDecode
@@ -49,10 +56,26 @@ class PreparedStep:
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)  # written in after the copies
 
 
+@dataclass
+class StageTimes:
+    """A pipeline stage's seconds, summed over the steps that ran the model: in all (`step_s`), waiting
+    for and receiving the previous stage's hidden states (`recv_s`), sending its own (`send_s`: until the
+    next stage takes them), and waiting for and receiving the sampled tokens (`tokens_s`: the earlier
+    stages)."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    recv_s: float = 0.0
+    send_s: float = 0.0
+    tokens_s: float = 0.0
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Any, backend: AttentionBackend, ops: Any,
-                 kv_config: KVCacheConfig, kv_caches: KVCacheTensors) -> None:
+                 kv_config: KVCacheConfig, kv_caches: KVCacheTensors, pp: PipelineParallel | None = None) -> None:
         self.config = config
+        self.pp = pp or PipelineParallel()
+        self.stage_times = StageTimes()
         self.model = model
         self.backend = backend
         self.device = torch.device(config.device.device)
@@ -151,6 +174,8 @@ class ModelRunner:
                        and getattr(self.proposer, "active", True))
             start = time.perf_counter()
             out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling, propose)
+            self.stage_times.steps += 1
+            self.stage_times.step_s += time.perf_counter() - start
             if propose:
                 step = prepared.step  # measured where it ran decodes and verification runs only
                 step_s = time.perf_counter() - start if len(step.logits_indices) == len(step.input_ids) else None
@@ -185,13 +210,60 @@ class ModelRunner:
                     self._record(step, out, self.sampler.from_argmax(ids.tolist(), sampling))
                     return out
             hidden = fused.forward(input_ids, positions, meta)
+        elif self.pp.size > 1:
+            stage_hidden = self._stage_forward(input_ids, positions, meta, rows)
+            if stage_hidden is None:  # an earlier stage: the last one samples and shares the tokens
+                if step.sample_states:
+                    self._take_tokens(step, out)
+                return out
+            hidden = stage_hidden
         else:
             hidden = self.model(input_ids, positions, meta, rows)
         if sampling is not None:
             self._sample(hidden, step, out, sampling, keep_hidden)
+            if self.pp.size > 1:
+                self._share_tokens(step, out)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
             out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], st, pos0))
         return out
+
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       rows: OutputRows | None) -> torch.Tensor | None:
+        """This stage's layers over the step: the final hidden states on the last stage, None on the
+        others (which send theirs on)."""
+        pp, times = self.pp, self.stage_times
+        intermediate = None
+        if not pp.is_first:
+            start = time.perf_counter()
+            shape = (2, len(input_ids), self.config.model.arch.hidden_size)
+            received = pp.recv(shape, TORCH_DTYPES[self.config.model.dtype])
+            times.recv_s += time.perf_counter() - start
+            intermediate = IntermediateTensors(received[0], received[1])
+        result = self.model(input_ids, positions, meta, rows, intermediate)
+        if pp.is_last:
+            return cast(torch.Tensor, result)
+        start = time.perf_counter()
+        pp.send(torch.stack([result.hidden, result.residual]))
+        times.send_s += time.perf_counter() - start
+        return None
+
+    @staticmethod
+    def _token_capacity(step: StepBatch) -> list[int]:
+        """The most tokens each sampled row takes: one, and one per draft it verifies."""
+        return [1 + len(step.sample_drafts.get(k, ())) for k in range(len(step.sample_states))]
+
+    def _share_tokens(self, step: StepBatch, out: ModelRunnerOutput) -> None:
+        """The last stage's sampled tokens to the earlier stages."""
+        self.pp.share_tokens([out.sampled_token_ids[p] for p in step.sample_positions], self._token_capacity(step))
+
+    def _take_tokens(self, step: StepBatch, out: ModelRunnerOutput) -> None:
+        """An earlier stage's side of _share_tokens: the tokens into the request states, as sampling does."""
+        start = time.perf_counter()
+        tokens = self.pp.share_tokens(None, self._token_capacity(step))
+        self.stage_times.tokens_s += time.perf_counter() - start
+        for st, pos, row in zip(step.sample_states, step.sample_positions, tokens, strict=True):
+            st.token_ids.extend(row)
+            out.sampled_token_ids[pos] = row
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput,
                 sampling: SamplingMetadata, keep_hidden: bool) -> None:

@@ -1,0 +1,89 @@
+"""Pipeline parallelism: greedy output token-identical to transformers (float32) at 2 stages and at 2
+tensor-parallel ranks x 2 stages (a process per rank, the multiprocess executor), alone and in mixed
+batches, with chunked prefill, prefix-cache hits, preemption and async scheduling; each stage holding
+only its layers' weights (the embedding on the first, the final norm and lm_head on the last) and its
+layers' KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from tests.models.test_golden import MAX_TOKENS, PROMPTS, check_prefix_hits, expected, run
+from tokenmill import LLM
+
+
+@contextmanager
+def pp_llm(model_dir: str, pp: int, tp: int = 1, **kw: Any) -> Iterator[LLM]:
+    llm = LLM(model_dir, dtype="float32", pipeline_parallel_size=pp, tensor_parallel_size=tp,
+              **{"kv_cache_memory": "8MiB", **kw})
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def whole_model(model_dir: str) -> tuple[int, dict[str, int], Any]:
+    """One rank's weight bytes, each parameter's bytes by name, and its KV cache plan."""
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB")
+    executor = llm.engine.core.executor
+    model = executor.runner.model  # type: ignore[attr-defined]
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    return executor.collective_rpc("weight_bytes")[0], sizes, executor.kv_cache_config
+
+
+@pytest.mark.parametrize("name", [
+    "llama-gqa2-tied",  # the last stage loads the tied embedding into its lm_head
+    "qwen3-qknorm",
+])
+def test_two_stages(model_dirs: dict[str, str], name: str) -> None:
+    model_dir = model_dirs[name]
+    with pp_llm(model_dir, 2) as llm:
+        assert run(llm, PROMPTS[:1], MAX_TOKENS[:1]) == expected(model_dir, PROMPTS[:1], MAX_TOKENS[:1])
+        assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
+
+
+def test_each_stage_holds_its_layers(model_dirs: dict[str, str]) -> None:
+    """Stage 0: the embedding and layer 0; stage 1: layer 1, the final norm and the lm_head (untied); so
+    the two stages' bytes add up to one rank's, about half each. Each stage's KV blocks hold its layer
+    only, and it takes half of the 8 MiB: as many blocks as one rank."""
+    model_dir = model_dirs["qwen2-mha"]  # untied embedding and lm_head
+    whole, sizes, one_rank_kv = whole_model(model_dir)
+    with pp_llm(model_dir, 2) as llm:
+        per_rank = llm.engine.core.executor.collective_rpc("weight_bytes")
+        kv = llm.engine.core.executor.kv_cache_config
+    first = sum(n for name, n in sizes.items() if name.startswith(("embed_tokens.", "layers.0.")))
+    assert per_rank == [first, whole - first]
+    assert max(per_rank) < 0.55 * whole
+    assert kv is not None and one_rank_kv is not None
+    assert kv.bytes_per_block == one_rank_kv.bytes_per_block // 2 and kv.num_blocks == one_rank_kv.num_blocks
+    assert [g.layer_names for g in kv.groups] == [("layers.0.self_attn.attn",)]
+
+
+def test_tensor_x_pipeline(model_dirs: dict[str, str]) -> None:
+    """2 x 2 ranks over 1 KV head (replicated on a stage's two ranks), chunked prefill in mixed batches;
+    each rank holds about a quarter of the weights."""
+    model_dir = model_dirs["llama-gqa4-untied"]
+    whole, sizes, _ = whole_model(model_dir)
+    with pp_llm(model_dir, 2, tp=2, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
+        per_rank = llm.engine.core.executor.collective_rpc("weight_bytes")
+    norms = sum(n for name, n in sizes.items() if "norm" in name)
+    kv_heads = sum(n for name, n in sizes.items() if "qkv" in name) // 6  # 1 KV head of 4 query heads, k and v
+    # each rank: its half of its stage's sharded weights; the norms and the replicated KV head whole
+    assert sum(per_rank) == whole + norms + 2 * kv_heads
+    assert max(per_rank) < 0.3 * whole
+
+
+def test_prefix_hits_preemption_and_async_scheduling(model_dirs: dict[str, str]) -> None:
+    model_dir = model_dirs["llama-gqa2-tied"]
+    with pp_llm(model_dir, 2, block_size=16, async_scheduling=True) as llm:
+        check_prefix_hits(llm, model_dir)
+    # 12 blocks of 8 tokens: max_model_len 96 fits, the batch does not; chunks of 8 tokens
+    with pp_llm(model_dir, 2, num_kv_blocks=12, block_size=8, max_model_len=96, kv_cache_memory=None,
+                max_num_batched_tokens=8, async_scheduling=True) as llm:
+        assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
+        assert llm.engine.core.scheduler.num_preemptions > 0
