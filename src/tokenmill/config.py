@@ -68,6 +68,10 @@ class SchedulerConfig:
     # while requests of a higher priority class are in the engine, the most tokens of a step that the
     # requests of lower classes (Batch API lines) get together, decode rows and prefill chunks alike
     lower_class_step_tokens: int = 8
+    # whether a request whose sampled token is still in flight may be scheduled again (the token a
+    # placeholder the workers fill in); False under pipeline parallelism, where the steps in flight then
+    # hold different requests and the first stage never waits for a token the last has not sampled
+    schedule_tokens_in_flight: bool = True
 
 
 @dataclass(frozen=True)
@@ -269,7 +273,8 @@ class EngineArgs:
                                       "w8a8 quantize a float checkpoint at load by round-to-nearest)")
     async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
                                                "where a CPU is free for the scheduling thread beside the compute "
-                                               "threads, and always on a GPU)")
+                                               "threads, and always on a GPU or with pipeline parallelism, whose "
+                                               "stages then run different batches at once)")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"lookahead\" | "
               "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; steps run one at a time "
@@ -326,8 +331,10 @@ class EngineArgs:
             raise ValueError("the KV tiers (--kv-offload-memory, --kv-offload-disk, --preemption-mode swap) are not "
                              "built for tensor or pipeline parallelism yet; use tensor_parallel_size 1 and "
                              "pipeline_parallel_size 1")
+        pipeline = parallel.pipeline_parallel_size
+        # (pipeline stages overlap only with steps in flight: on by default there, whatever the CPUs)
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
-                            else default_async_scheduling(device, self.num_threads))
+                            else pipeline > 1 or default_async_scheduling(device, self.num_threads))
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -344,6 +351,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 async_scheduling=async_scheduling,
                 lower_class_step_tokens=self.batch_step_tokens,
+                schedule_tokens_in_flight=pipeline == 1,
             ),
             device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels,
                                 enforce_eager=self.enforce_eager),

@@ -3,7 +3,7 @@ communication the layers and the runner need.
 
 The worker joins the world (torch.distributed over gloo on a CPU) and hands the model its
 `TensorParallel` (the stage's ranks: the two collectives the layers need) and `PipelineParallel` (its
-stage: which layers it holds, the hand-off of hidden states to the next stage, the sampled tokens shared
+stage: which layers it holds, the hand-off of hidden states to the next stage, the sampled tokens sent
 back from the last one) through `ModelOptions`; layers take them as arguments, never from a module
 global. `TensorParallel()` and `PipelineParallel()` are the single rank (no communication), so every
 layer runs the same code at any size. Ranks are laid out as vLLM's: a stage's tensor-parallel ranks are
@@ -62,19 +62,24 @@ class TensorParallel:
         return self.rank * num_kv_heads // self.size, 1
 
 
+# point-to-point tags: the hidden states a stage hands the next, the tokens the last stage shares back
+_HIDDEN_TAG = 0
+_TOKENS_TAG = 1
+
+
 @dataclass(frozen=True)
 class PipelineParallel:
     """This rank's pipeline stage: `stage` of `size`, each stage `tp_size` consecutive ranks. A stage
     receives the hidden states from the rank of the stage before that has its tensor-parallel rank, and
     sends its own to the same rank of the next stage; the last stage samples, and its first rank
-    shares the sampled tokens with the earlier stages (whose request states need them)."""
+    sends the sampled tokens to every rank of the earlier stages (whose request states need them).
+    Sends return at once (gloo's isend; the caller keeps the returned handle, and with it the tensor,
+    until it completes), so a stage goes on to its next step while the next stage takes the last."""
 
     stage: int = 0
     size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
-    # the output rank and the earlier stages' ranks (rank 0 up to it); None: the default group
-    tokens_group: Any = field(default=None, compare=False)
 
     @property
     def is_first(self) -> bool:
@@ -97,32 +102,31 @@ class PipelineParallel:
         """The indices of the layers this stage holds (parallel_config.pp_layer_range's split)."""
         return range(*pp_layer_range(num_layers, self.stage, self.size))
 
-    def send(self, x: torch.Tensor) -> None:
-        """x to the next stage's rank (blocks until it is taken)."""
-        dist.send(x.contiguous(), self.rank + self.tp_size)
+    def send(self, x: torch.Tensor) -> InFlight:
+        """x to the next stage's rank."""
+        x = x.contiguous()
+        return InFlight(dist.isend(x, self.rank + self.tp_size, tag=_HIDDEN_TAG), x)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tensor the previous stage's rank sends (of this shape and dtype, which both sides know)."""
         x = torch.empty(shape, dtype=dtype)
-        dist.recv(x, self.rank - self.tp_size)
+        dist.recv(x, self.rank - self.tp_size, tag=_HIDDEN_TAG)
         return x
 
-    def share_tokens(self, tokens: list[list[int]] | None, capacity: list[int]) -> list[list[int]]:
-        """The output rank's sampled tokens of each sampled row (`tokens`, given there, None elsewhere) on
-        this rank too; row k holds at most capacity[k] tokens. The last stage's other ranks, which sampled
-        the same tokens, take no part (they return theirs)."""
-        if self.is_last and self.rank != self.output_rank:
-            assert tokens is not None
-            return tokens
+    def send_tokens(self, tokens: list[list[int]], capacity: list[int]) -> list[InFlight]:
+        """On the output rank: each sampled row's tokens (row k at most capacity[k]) to every rank of the
+        earlier stages, which take them with recv_tokens in the same order."""
         flat = torch.full((sum(capacity),), -1, dtype=torch.int64)
-        if tokens is not None:
-            at = 0
-            for row, cap in zip(tokens, capacity, strict=True):
-                flat[at:at + len(row)] = torch.tensor(row, dtype=torch.int64)
-                at += cap
-        dist.broadcast(flat, self.output_rank, group=self.tokens_group)
-        if tokens is not None:
-            return tokens
+        at = 0
+        for row, cap in zip(tokens, capacity, strict=True):
+            flat[at:at + len(row)] = torch.tensor(row, dtype=torch.int64)
+            at += cap
+        return [InFlight(dist.isend(flat, rank, tag=_TOKENS_TAG), flat) for rank in range(self.output_rank)]
+
+    def recv_tokens(self, capacity: list[int]) -> list[list[int]]:
+        """On an earlier stage's rank: the next tokens the output rank sent (see send_tokens)."""
+        flat = torch.empty((sum(capacity),), dtype=torch.int64)
+        dist.recv(flat, self.output_rank, tag=_TOKENS_TAG)
         out: list[list[int]] = []
         at = 0
         for cap in capacity:
@@ -130,6 +134,17 @@ class PipelineParallel:
             out.append(part[part >= 0].tolist())
             at += cap
         return out
+
+
+@dataclass
+class InFlight:
+    """A send not yet known to be complete, and the tensor it reads (kept alive until then)."""
+
+    work: Any
+    tensor: torch.Tensor
+
+    def done(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 def init_parallel(rank: int, tp_size: int, pp_size: int, init_file: str) -> tuple[TensorParallel, PipelineParallel]:
@@ -141,14 +156,13 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, init_file: str) -> tupl
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=_COLLECTIVE_TIMEOUT)
     stage, tp_rank = divmod(rank, tp_size)
-    tp_group = tokens_group = None
-    if pp_size > 1 and tp_size > 1:  # every rank creates every group, in the same order
+    tp_group = None
+    if pp_size > 1 and tp_size > 1:  # every rank creates every stage's group, in the same order
         for s in range(pp_size):
             group = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=_COLLECTIVE_TIMEOUT)
             if s == stage:
                 tp_group = group
-        tokens_group = dist.new_group(list(range((pp_size - 1) * tp_size + 1)), timeout=_COLLECTIVE_TIMEOUT)
-    return TensorParallel(tp_rank, tp_size, tp_group), PipelineParallel(stage, pp_size, tp_rank, tp_size, tokens_group)
+    return TensorParallel(tp_rank, tp_size, tp_group), PipelineParallel(stage, pp_size, tp_rank, tp_size)
 
 
 def close_tensor_parallel() -> None:

@@ -1,6 +1,7 @@
 """Pipeline parallelism: greedy output token-identical to transformers (float32) at 2 stages and at 2
 tensor-parallel ranks x 2 stages (a process per rank, the multiprocess executor), alone and in mixed
-batches, with chunked prefill, prefix-cache hits, preemption and async scheduling; each stage holding
+batches, with chunked prefill, prefix-cache hits, preemption, and steps one at a time or overlapping on
+the stages (async scheduling, the default: the steps in flight hold different requests); each stage holding
 only its layers' weights (the embedding on the first, the final norm and lm_head on the last) and its
 layers' KV cache."""
 
@@ -35,13 +36,13 @@ def whole_model(model_dir: str) -> tuple[int, dict[str, int], Any]:
     return executor.collective_rpc("weight_bytes")[0], sizes, executor.kv_cache_config
 
 
-@pytest.mark.parametrize("name", [
-    "llama-gqa2-tied",  # the last stage loads the tied embedding into its lm_head
-    "qwen3-qknorm",
+@pytest.mark.parametrize(("name", "async_scheduling"), [
+    ("llama-gqa2-tied", False),  # one step at a time; the last stage loads the tied embedding into its lm_head
+    ("qwen3-qknorm", True),  # (the default) two steps in flight, of different requests, one on each stage
 ])
-def test_two_stages(model_dirs: dict[str, str], name: str) -> None:
+def test_two_stages(model_dirs: dict[str, str], name: str, async_scheduling: bool) -> None:
     model_dir = model_dirs[name]
-    with pp_llm(model_dir, 2) as llm:
+    with pp_llm(model_dir, 2, async_scheduling=async_scheduling) as llm:
         assert run(llm, PROMPTS[:1], MAX_TOKENS[:1]) == expected(model_dir, PROMPTS[:1], MAX_TOKENS[:1])
         assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
 

@@ -2,8 +2,11 @@
 path where it applies), samples. The Worker (worker.py) builds it once the KV cache is bound.
 
 On a pipeline stage (`PipelineParallel`) the runner receives the previous stage's hidden states before
-its layers and sends its own after them; the last stage samples and shares the sampled tokens with the
-earlier stages, whose request states (and the next step's inputs) need them."""
+its layers and sends its own after them without waiting for them to be taken; the last stage samples and
+sends the sampled tokens back to the earlier stages, whose request states (and later steps' inputs) need
+them. An earlier stage takes them only when a step it prepares schedules one of those requests (the
+engine schedules a request again only once its token is in, so they have been sent by then), or when
+more than _MAX_TOKENS_BEHIND steps' tokens wait; meanwhile it runs the steps of other requests."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,7 +31,7 @@ from tokenmill.attention.backend import (
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.distributed import PipelineParallel
+from tokenmill.distributed import InFlight, PipelineParallel
 from tokenmill.kv_cache_spec import KVCacheConfig
 from tokenmill.models.interface import IntermediateTensors
 from tokenmill.models.loader import TORCH_DTYPES
@@ -41,6 +45,8 @@ from tokenmill.worker.sampler import Sampler, SamplerOutput, topn_logprobs
 from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
 logger = logging.getLogger(__name__)
+# an earlier pipeline stage takes the oldest steps' sampled tokens past this many, needed or not
+_MAX_TOKENS_BEHIND = 8
 
 
 @dataclass
@@ -59,9 +65,9 @@ class PreparedStep:
 @dataclass
 class StageTimes:
     """A pipeline stage's seconds, summed over the steps that ran the model: in all (`step_s`), waiting
-    for and receiving the previous stage's hidden states (`recv_s`), sending its own (`send_s`: until the
-    next stage takes them), and waiting for and receiving the sampled tokens (`tokens_s`: the earlier
-    stages)."""
+    for and receiving the previous stage's hidden states (`recv_s`), posting its own (`send_s`); and,
+    outside the steps (while preparing them), waiting for and receiving the sampled tokens (`tokens_s`:
+    the earlier stages)."""
 
     steps: int = 0
     step_s: float = 0.0
@@ -76,6 +82,9 @@ class ModelRunner:
         self.config = config
         self.pp = pp or PipelineParallel()
         self.stage_times = StageTimes()
+        self._sends: list[InFlight] = []  # this stage's sends not known to be complete
+        # an earlier stage's steps whose sampled tokens it has not taken yet, oldest first
+        self._tokens_behind: deque[_TokensBehind] = deque()
         self.model = model
         self.backend = backend
         self.device = torch.device(config.device.device)
@@ -119,6 +128,8 @@ class ModelRunner:
         """The step's inputs, built from the states as they are now: for async scheduling this runs while
         the step before is still executing, so a decode row whose token that step samples is left
         pending (StepBatch.pending_inputs) and filled in by execute(). None: nothing to run."""
+        if self._tokens_behind:
+            self._take_tokens(so)
         update_states(self.states, so, self.device, self.sampling, self.failed)
         if so.finished_req_ids and (done := getattr(self.proposer, "finished", None)) is not None:
             done(so.finished_req_ids)
@@ -212,9 +223,10 @@ class ModelRunner:
             hidden = fused.forward(input_ids, positions, meta)
         elif self.pp.size > 1:
             stage_hidden = self._stage_forward(input_ids, positions, meta, rows)
-            if stage_hidden is None:  # an earlier stage: the last one samples and shares the tokens
+            if stage_hidden is None:  # an earlier stage: the last one samples and sends the tokens back
                 if step.sample_states:
-                    self._take_tokens(step, out)
+                    self._tokens_behind.append(_TokensBehind({st.req_id for st in step.sample_states},
+                                                             step.sample_states, self._token_capacity(step)))
                 return out
             hidden = stage_hidden
         else:
@@ -243,7 +255,8 @@ class ModelRunner:
         if pp.is_last:
             return cast(torch.Tensor, result)
         start = time.perf_counter()
-        pp.send(torch.stack([result.hidden, result.residual]))
+        self._sends = [s for s in self._sends if not s.done()]
+        self._sends.append(pp.send(torch.stack([result.hidden, result.residual])))
         times.send_s += time.perf_counter() - start
         return None
 
@@ -253,17 +266,26 @@ class ModelRunner:
         return [1 + len(step.sample_drafts.get(k, ())) for k in range(len(step.sample_states))]
 
     def _share_tokens(self, step: StepBatch, out: ModelRunnerOutput) -> None:
-        """The last stage's sampled tokens to the earlier stages."""
-        self.pp.share_tokens([out.sampled_token_ids[p] for p in step.sample_positions], self._token_capacity(step))
+        """The last stage's sampled tokens to the earlier stages (from its first rank only: the others
+        sampled the same)."""
+        if self.pp.rank == self.pp.output_rank:
+            self._sends = [s for s in self._sends if not s.done()]
+            self._sends += self.pp.send_tokens([out.sampled_token_ids[p] for p in step.sample_positions],
+                                               self._token_capacity(step))
 
-    def _take_tokens(self, step: StepBatch, out: ModelRunnerOutput) -> None:
-        """An earlier stage's side of _share_tokens: the tokens into the request states, as sampling does."""
+    def _take_tokens(self, so: SchedulerOutput) -> None:
+        """An earlier stage's side of _share_tokens, before it prepares `so`: the tokens of the steps up to
+        the last one that sampled a request `so` schedules (and of the oldest past _MAX_TOKENS_BEHIND),
+        in step order, into the request states, as sampling does."""
+        behind = self._tokens_behind
+        scheduled = so.num_scheduled_tokens
+        needed = max((i + 1 for i, t in enumerate(behind) if any(rid in scheduled for rid in t.req_ids)), default=0)
         start = time.perf_counter()
-        tokens = self.pp.share_tokens(None, self._token_capacity(step))
+        for _ in range(max(needed, len(behind) - _MAX_TOKENS_BEHIND)):
+            taken = behind.popleft()
+            for st, row in zip(taken.states, self.pp.recv_tokens(taken.capacity), strict=True):
+                st.token_ids.extend(row)
         self.stage_times.tokens_s += time.perf_counter() - start
-        for st, pos, row in zip(step.sample_states, step.sample_positions, tokens, strict=True):
-            st.token_ids.extend(row)
-            out.sampled_token_ids[pos] = row
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput,
                 sampling: SamplingMetadata, keep_hidden: bool) -> None:
@@ -308,6 +330,15 @@ class ModelRunner:
         logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(st.token_ids[pos0:pos0 + hidden.shape[0]], device=self.device)
         return topn_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs or 0)
+
+
+@dataclass
+class _TokensBehind:
+    """A step's sampled rows whose tokens an earlier pipeline stage has not taken yet."""
+
+    req_ids: set[str]
+    states: list[CachedRequestState]
+    capacity: list[int]  # the most tokens each row takes
 
 
 def draft_probs_of(req_ids: list[str], drafts: dict[int, list[int]], q: dict[str, torch.Tensor]
