@@ -58,8 +58,9 @@ def gone(pid: int | None) -> bool:
 
 @pytest.mark.parametrize(("tp", "pp", "rank"), [(2, 1, 1), (2, 1, 0), (1, 2, 0), (1, 2, 1)])
 def test_worker_killed_mid_generation(llama_dir: str, tp: int, pp: int, rank: int) -> None:
+    # (stages: with two steps in flight, one on each)
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=tp,
-              pipeline_parallel_size=pp)
+              pipeline_parallel_size=pp, async_scheduling=pp > 1)
     executor = executor_of(llm)
     try:
         llm.engine.add_request("long", PROMPTS[0], greedy(400))

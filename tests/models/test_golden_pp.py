@@ -1,7 +1,7 @@
 """Pipeline parallelism: greedy output token-identical to transformers (float32) at 2 stages and at 2
 tensor-parallel ranks x 2 stages (a process per rank, the multiprocess executor), alone and in mixed
 batches, with chunked prefill, prefix-cache hits, preemption, and steps one at a time or overlapping on
-the stages (async scheduling, the default: the steps in flight hold different requests); each stage holding
+the stages (async scheduling: the two steps in flight hold different requests); each stage holding
 only its layers' weights (the embedding on the first, the final norm and lm_head on the last) and its
 layers' KV cache."""
 
@@ -38,7 +38,7 @@ def whole_model(model_dir: str) -> tuple[int, dict[str, int], Any]:
 
 @pytest.mark.parametrize(("name", "async_scheduling"), [
     ("llama-gqa2-tied", False),  # one step at a time; the last stage loads the tied embedding into its lm_head
-    ("qwen3-qknorm", True),  # (the default) two steps in flight, of different requests, one on each stage
+    ("qwen3-qknorm", True),  # two steps in flight, of different requests, one on each stage
 ])
 def test_two_stages(model_dirs: dict[str, str], name: str, async_scheduling: bool) -> None:
     model_dir = model_dirs[name]
@@ -65,11 +65,11 @@ def test_each_stage_holds_its_layers(model_dirs: dict[str, str]) -> None:
 
 
 def test_tensor_x_pipeline(model_dirs: dict[str, str]) -> None:
-    """2 x 2 ranks over 1 KV head (replicated on a stage's two ranks), chunked prefill in mixed batches;
-    each rank holds about a quarter of the weights."""
+    """2 x 2 ranks over 1 KV head (replicated on a stage's two ranks), chunked prefill in mixed batches,
+    two steps in flight; each rank holds about a quarter of the weights."""
     model_dir = model_dirs["llama-gqa4-untied"]
     whole, sizes, _ = whole_model(model_dir)
-    with pp_llm(model_dir, 2, tp=2, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+    with pp_llm(model_dir, 2, tp=2, max_num_batched_tokens=8, max_num_seqs=4, async_scheduling=True) as llm:
         assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
         per_rank = llm.engine.core.executor.collective_rpc("weight_bytes")
     norms = sum(n for name, n in sizes.items() if "norm" in name)
