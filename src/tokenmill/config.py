@@ -222,7 +222,7 @@ class EngineArgs:
                                         "prefix-cache hits come in whole blocks")
     kv_cache_memory: str | int | float | None = _arg(
         None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3), all "
-              "tensor-parallel ranks' together (default: 4 GiB or 0.3 of available memory, whichever is less)")
+              "ranks' together (default: 4 GiB or 0.3 of available memory, whichever is less)")
     num_kv_blocks: int | None = _arg(None, "KV-cache size in blocks; overrides --kv-cache-memory")
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), int8 (a scale per token and "
                                        "kv head) or fp8_e4m3 (fp8 is the same; also a scale per token and kv head)")
@@ -247,7 +247,7 @@ class EngineArgs:
                                      "so that they add little to the interactive requests' step time; with no "
                                      "interactive request in the engine they get the whole step")
     device: str = _arg("auto", "auto, cpu or cuda; auto: cuda if torch sees a CUDA GPU")
-    num_threads: int | None = _arg(None, "CPU compute threads, all ranks' together (each tensor-parallel rank "
+    num_threads: int | None = _arg(None, "CPU compute threads, all ranks' together (each rank "
                                          "takes its share; default: one per CPU this process may use; "
                                          "`tokenmill serve` leaves one of them to its API process)")
     tensor_parallel_size: int = _arg(1, "split each layer over this many ranks (a process each, torch.distributed "
