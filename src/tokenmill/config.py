@@ -273,8 +273,9 @@ class EngineArgs:
                                       "w8a8 quantize a float checkpoint at load by round-to-nearest)")
     async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
                                                "where a CPU is free for the scheduling thread beside the compute "
-                                               "threads, and always on a GPU); with pipeline parallelism it puts "
-                                               "two steps of different requests in flight, on two stages at once")
+                                               "threads, and always on a GPU or with pipeline parallelism, where "
+                                               "it puts two steps of different requests in flight, on two stages "
+                                               "at once)")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"lookahead\" | "
               "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; steps run one at a time "
@@ -332,8 +333,9 @@ class EngineArgs:
                              "built for tensor or pipeline parallelism yet; use tensor_parallel_size 1 and "
                              "pipeline_parallel_size 1")
         pipeline = parallel.pipeline_parallel_size
+        # (with pipeline stages, two steps in flight keep two stages busy: on by default there)
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
-                            else default_async_scheduling(device, self.num_threads))
+                            else pipeline > 1 or default_async_scheduling(device, self.num_threads))
         return EngineConfig(
             model=model,
             cache=CacheConfig(
