@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.models.test_golden import MAX_TOKENS, PROMPTS, check_prefix_hits, expected, run
+from tests.conftest import random_prompts
+from tests.models.test_golden import MAX_TOKENS, PROMPTS, check_prefix_hits, expected, greedy, run
 from tokenmill import LLM
 
 
@@ -88,3 +90,20 @@ def test_prefix_hits_preemption_and_async_scheduling(model_dirs: dict[str, str])
                 max_num_batched_tokens=8, async_scheduling=True) as llm:
         assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
         assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_middle_stage() -> None:
+    """3 stages over the demo model's 4 layers (vLLM's split: 1, 2, 1): the middle stage receives and
+    sends hidden states, takes the tokens it does not sample; the same tokens as one rank (float32, the
+    layer loop on both, which the golden tests check against transformers), two steps in flight."""
+    demo = str(Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo")
+    reqs = random_prompts(8, 8, 120, seed=3, vocab=8192)
+    params = [greedy(n) for n in (12, 30, 5, 20, 9, 25, 16, 3)]
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(reqs, params, use_tqdm=False)]
+
+    one = tokens(LLM(demo, dtype="float32", kv_cache_memory="32MiB"))
+    with pp_llm(demo, 3, kv_cache_memory="32MiB", max_num_batched_tokens=64, async_scheduling=True) as llm:
+        assert [list(r) for r in llm.engine.core.executor.collective_rpc("stage_layers")] == [[0], [1, 2], [3]]
+        assert tokens(llm) == one

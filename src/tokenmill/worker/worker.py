@@ -93,6 +93,10 @@ class Worker:
         tensors = {id(p): p for p in self.model.parameters()}.values()
         return sum(int(torch.ops.mkldnn._nbytes(p)) if p.is_mkldnn else p.numel() * p.element_size() for p in tensors)
 
+    def stage_layers(self) -> range:
+        """The indices of the model's layers this rank's pipeline stage holds."""
+        return self.pp.layers(self.config.model.arch.num_layers)
+
     def stage_times(self) -> dict[str, float]:
         """This rank's StageTimes (summed over the steps so far) as a dict: what a pipeline stage waited for."""
         return dataclasses.asdict(self.runner().stage_times)
