@@ -70,6 +70,10 @@ class SchedulerConfig:
     # while requests of a higher priority class are in the engine, the most tokens of a step that the
     # requests of lower classes (Batch API lines) get together, decode rows and prefill chunks alike
     lower_class_step_tokens: int = 8
+    # whether a request whose sampled token is still in flight may be scheduled again (the token a
+    # placeholder the workers fill in); False under pipeline parallelism, where the steps in flight then
+    # hold different requests and the first stage never waits for a token the last has not sampled
+    schedule_tokens_in_flight: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class EngineConfig:
     attention_backend: str
     speculative: SpeculativeConfig | None = None  # speculative decoding, off when None
     log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism, the executor
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor and pipeline parallelism, the executor
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer_config.py), off when None
 
 
@@ -221,7 +225,7 @@ class EngineArgs:
                                         "prefix-cache hits come in whole blocks")
     kv_cache_memory: str | int | float | None = _arg(
         None, "KV-cache size: bytes ('4GiB', '512MB') or a fraction of available memory (0.3), all "
-              "tensor-parallel ranks' together (default: 4 GiB or 0.3 of available memory, whichever is less)")
+              "ranks' together (default: 4 GiB or 0.3 of available memory, whichever is less)")
     num_kv_blocks: int | None = _arg(None, "KV-cache size in blocks; overrides --kv-cache-memory")
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), int8 (a scale per token and "
                                        "kv head) or fp8_e4m3 (fp8 is the same; also a scale per token and kv head)")
@@ -246,12 +250,16 @@ class EngineArgs:
                                      "so that they add little to the interactive requests' step time; with no "
                                      "interactive request in the engine they get the whole step")
     device: str = _arg("auto", "auto, cpu or cuda; auto: cuda if torch sees a CUDA GPU")
-    num_threads: int | None = _arg(None, "CPU compute threads, all ranks' together (each tensor-parallel rank "
+    num_threads: int | None = _arg(None, "CPU compute threads, all ranks' together (each rank "
                                          "takes its share; default: one per CPU this process may use; "
                                          "`tokenmill serve` leaves one of them to its API process)")
     tensor_parallel_size: int = _arg(1, "split each layer over this many ranks (a process each, torch.distributed "
                                         "over gloo on a CPU): attention heads, KV heads, MLP and vocabulary; "
                                         "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
+    pipeline_parallel_size: int = _arg(1, "split the layer stack into this many stages of contiguous layers (a "
+                                          "process per rank, tensor_parallel_size ranks per stage; hidden "
+                                          "states passed between stages over gloo); the same models as "
+                                          "--tensor-parallel-size")
     data_parallel_size: int = _arg(1, "`tokenmill serve`: run this many engine-core replicas (a process each, with "
                                       "its own executor and KV cache, and its share of --num-threads and "
                                       "--kv-cache-memory) behind the one server; requests go to the least "
@@ -273,7 +281,9 @@ class EngineArgs:
                                       "w8a8 quantize a float checkpoint at load by round-to-nearest)")
     async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
                                                "where a CPU is free for the scheduling thread beside the compute "
-                                               "threads, and always on a GPU)")
+                                               "threads, and always on a GPU or with pipeline parallelism, where "
+                                               "it puts two steps of different requests in flight, on two stages "
+                                               "at once)")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"lookahead\" | "
               "\"medusa\", \"num_speculative_tokens\": k, ...} (vLLM's fields; steps run one at a time "
@@ -326,19 +336,23 @@ class EngineArgs:
         )
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
         parallel = resolve_parallel_config(self.tensor_parallel_size, self.distributed_executor_backend, arch,
-                                           device, runner, model.quantization is not None, spec is not None)
+                                           device, runner, model.quantization is not None, spec is not None,
+                                           self.pipeline_parallel_size)
         parallel = dataclasses.replace(parallel, data_parallel_size=self._data_parallel_size(runner))
         if parallel.world_size > 1 and (self.kv_offload_memory is not None or self.kv_offload_disk is not None
                                         or self.preemption_mode == "swap"):
-            # a rank's blocks hold only its heads, and the tiers move rank 0's bytes alone
+            # a rank's blocks hold only its heads (its stage's layers), and the tiers move one rank's bytes alone
             raise ValueError("the KV tiers (--kv-offload-memory, --kv-offload-disk, --preemption-mode swap) are not "
-                             "built for tensor parallelism yet; use tensor_parallel_size 1")
+                             "built for tensor or pipeline parallelism yet; use tensor_parallel_size 1 and "
+                             "pipeline_parallel_size 1")
         kv_transfer = resolve_kv_transfer_config(self.kv_transfer_config)
         if kv_transfer is not None and (parallel.world_size > 1 or runner != "generate"):
-            raise ValueError("kv_transfer_config needs a generating model on one rank (tensor_parallel_size 1): a "
-                             "rank's blocks hold only its heads")
+            raise ValueError("kv_transfer_config needs a generating model on one rank (tensor_parallel_size 1 and "
+                             "pipeline_parallel_size 1): a rank's blocks hold only its heads or its stage's layers")
+        pipeline = parallel.pipeline_parallel_size
+        # (with pipeline stages, two steps in flight keep two stages busy: on by default there)
         async_scheduling = (self.async_scheduling if self.async_scheduling is not None
-                            else default_async_scheduling(device, self.num_threads))
+                            else pipeline > 1 or default_async_scheduling(device, self.num_threads))
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -355,6 +369,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 async_scheduling=async_scheduling,
                 lower_class_step_tokens=self.batch_step_tokens,
+                schedule_tokens_in_flight=pipeline == 1,
             ),
             device=DeviceConfig(device=device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels,
                                 enforce_eager=self.enforce_eager),

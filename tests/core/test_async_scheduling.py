@@ -1,7 +1,9 @@
 """Async scheduling: the engine core schedules and prepares step N+1 before step N has run, with
-N's sampled tokens as placeholders. Driven through EngineCore.step with the scheduler tests' fake
-runner (shadow KV memory, hash model), whose steps run only when their output is waited for, so
-every step is prepared a step ahead, as on the real worker thread.
+N's sampled tokens as placeholders (or, for pipeline parallelism, without the requests whose tokens
+are in flight, so that the two steps in flight hold different requests). Driven through
+EngineCore.step with the scheduler tests' fake runner (shadow KV memory, hash model), whose steps run
+only when their output is waited for, so every step is prepared a step ahead, as on the real worker
+thread.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ class RunWhenAwaited(Future[ModelRunnerOutput]):
 
 
 class FakeExecutor:
-    def __init__(self, runner: FakeRunner, num_blocks: int) -> None:
+    def __init__(self, runner: FakeRunner, num_blocks: int, tokens_in_flight: bool = True) -> None:
         self.runner = runner
         self.num_blocks = num_blocks
         self.queue: deque[tuple[PreparedStep, RunWhenAwaited]] = deque()
         self.max_queued = 0
+        self.tokens_in_flight = tokens_in_flight  # False: a step never needs a token a queued step samples
 
     def initialize_kv_cache(self) -> KVCacheConfig:
         return KVCacheConfig(self.num_blocks, self.runner.block_size, ())
@@ -52,6 +55,10 @@ class FakeExecutor:
 
     def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
         future = RunWhenAwaited(self)
+        if not self.tokens_in_flight:
+            waiting = [rid for rid in so.num_scheduled_tokens
+                       if rid in self.runner.states and self.runner.states[rid].samples_in_flight]
+            assert not waiting, f"{waiting} scheduled while their tokens are in flight"
         self.queue.append((self.runner.prepare(so), future))
         self.max_queued = max(self.max_queued, len(self.queue))
         return future
@@ -66,15 +73,17 @@ class FakeExecutor:
 
 
 def make_core(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, max_model_len: int,
-              async_scheduling: bool = True) -> tuple[EngineCore, FakeExecutor]:
+              async_scheduling: bool = True, pipeline: bool = False) -> tuple[EngineCore, FakeExecutor]:
+    """`pipeline`: the scheduler config of pipeline parallelism (no placeholders)."""
     config = SimpleNamespace(
-        scheduler=SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling),
+        scheduler=SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling,
+                                  schedule_tokens_in_flight=not pipeline),
         cache=CacheConfig(block_size, 0, num_blocks, True),
         model=SimpleNamespace(max_model_len=max_model_len, tokenizer="", arch=SimpleNamespace(vocab_size=VOCAB)),
         speculative=None,
         kv_transfer=None,
         log_stats=False)  # no model shapes here for the step meter to count with
-    executor = FakeExecutor(FakeRunner(block_size, lambda rid, tokens: eos_model(tokens)), num_blocks)
+    executor = FakeExecutor(FakeRunner(block_size, lambda rid, tokens: eos_model(tokens)), num_blocks, not pipeline)
     return EngineCore(cast(EngineConfig, config), executor), executor
 
 
@@ -140,6 +149,43 @@ def test_async_steps_give_the_synchronous_results_without_leaks(
             assert (got, results[rid].finish_reason) == (tokens, reason)
     assert_all_free(core)
     core.shutdown()
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads())
+def test_pipeline_steps_hold_other_requests(
+    workload: tuple[dict[str, int], list[tuple[int, list[int], int, int]]],
+) -> None:
+    """Under pipeline parallelism a request whose token is in flight waits for it (FakeExecutor checks
+    every step), so the steps in flight run other requests; the results are the synchronous ones."""
+    cfg, base = workload
+    reqs = [(*r, True, None) for r in base]
+    core, executor = make_core(cfg["num_blocks"], cfg["block_size"], cfg["budget"], cfg["max_num_seqs"],
+                               cfg["max_model_len"], pipeline=True)
+    results: dict[str, Result] = {}
+    drive_core(core, reqs, results)
+    event(f"two steps in flight: {executor.max_queued == 2}")
+    for i, (_, prompt, max_tokens, _, ignore_eos, _) in enumerate(reqs):
+        assert (results[f"r{i}"].token_ids, results[f"r{i}"].finish_reason) == reference(
+            prompt, max_tokens, cfg["max_model_len"], ignore_eos)
+    assert executor.max_queued <= 2
+    assert_all_free(core)
+    core.shutdown()
+
+
+def test_two_stages_overlap_two_requests() -> None:
+    """Two decoding requests in two steps in flight at once, each waiting only for its own token."""
+    core, executor = make_core(32, 4, 3, 4, 64, pipeline=True)  # a budget of 3: one prompt per step
+    core.add_request(request("a", [5, 6, 7], 0.0, max_tokens=6, ignore_eos=True))
+    core.add_request(request("b", [8, 9, 10], 0.0, max_tokens=6, ignore_eos=True))
+    results: dict[str, Result] = {}
+    while core.has_unfinished_requests():
+        collect(results, core.step().outputs)
+    steps = [set(so.num_scheduled_tokens) for so in executor.runner.outputs if so.num_scheduled_tokens]
+    assert steps[:4] == [{"a"}, {"b"}, {"a"}, {"b"}] and executor.max_queued == 2
+    assert results["a"].token_ids == reference([5, 6, 7], 6, 64, True)[0]
+    assert results["b"].token_ids == reference([8, 9, 10], 6, 64, True)[0]
+    assert_all_free(core)
 
 
 def drive_core(core: EngineCore, reqs: list[tuple[int, list[int], int, int, bool, int | None]],

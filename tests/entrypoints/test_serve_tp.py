@@ -1,7 +1,7 @@
-"""`tokenmill serve MODEL --tensor-parallel-size 2`: the OpenAI server over two worker processes
-generates what one rank does; a worker killed under load ends the requests in flight with an error
-and the server exits non-zero within seconds (as for a dead engine core); a size the model's heads
-do not divide is one line at start."""
+"""`tokenmill serve MODEL --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`): the OpenAI server
+over two worker processes generates what one rank does; a worker killed under load ends the requests in
+flight with an error and the server exits non-zero within seconds (as for a dead engine core); a size
+the model's heads (or its layers) do not allow is one line at start."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from tests.entrypoints.server import RemoteServer, free_port
 from tests.entrypoints.test_serve_cli import assert_one_line_error, serve
@@ -37,11 +39,12 @@ def worker_pids(core_pid: int) -> list[int]:
     return pids
 
 
-def test_serve_tensor_parallel(llama_dir: str) -> None:
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_serve_parallel(llama_dir: str, flag: str) -> None:
     one_rank = LLM(llama_dir, kv_cache_memory="8MiB")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [o.outputs[0].text for o in one_rank.generate(PROMPTS, params, use_tqdm=False)]
-    srv = RemoteServer(llama_dir, "--tensor-parallel-size", "2")
+    srv = RemoteServer(llama_dir, flag, "2")
     try:
         assert len(worker_pids(srv.core_pid)) == 2
         with srv.client() as http:
@@ -74,3 +77,8 @@ def test_killed_worker_ends_requests_and_the_server_exits(llama_dir: str) -> Non
 def test_size_the_heads_do_not_divide(llama_dir: str) -> None:
     result = serve(llama_dir, "--port", str(free_port()), "--tensor-parallel-size", "3")
     assert_one_line_error(result, "tensor_parallel_size 3 must divide the model's 4 attention heads")
+
+
+def test_more_stages_than_layers(llama_dir: str) -> None:
+    result = serve(llama_dir, "--port", str(free_port()), "--pipeline-parallel-size", "3")
+    assert_one_line_error(result, "pipeline_parallel_size 3 is more than the model's 2 layers")

@@ -1,5 +1,6 @@
 """The multiprocess executor: a worker killed mid-generation (or while the engine is idle) ends the
-engine with an error that names it, within seconds, the other workers stopped; a failed call is an
+engine with an error that names it, within seconds, the other workers stopped (a tensor-parallel rank,
+or a pipeline stage: the first, whose peer waits for its hidden states, or the last, which answers); a failed call is an
 error and the executor goes on; shutdown leaves no process behind; one rank in its own process
 generates what the in-process executor does."""
 
@@ -55,9 +56,11 @@ def gone(pid: int | None) -> bool:
         return True
 
 
-@pytest.mark.parametrize("rank", [1, 0])
-def test_worker_killed_mid_generation(llama_dir: str, rank: int) -> None:
-    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=2)
+@pytest.mark.parametrize(("tp", "pp", "rank"), [(2, 1, 1), (2, 1, 0), (1, 2, 0), (1, 2, 1)])
+def test_worker_killed_mid_generation(llama_dir: str, tp: int, pp: int, rank: int) -> None:
+    # (stages: with two steps in flight, one on each)
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, async_scheduling=pp > 1)
     executor = executor_of(llm)
     try:
         llm.engine.add_request("long", PROMPTS[0], greedy(400))
@@ -132,10 +135,11 @@ def test_engine_never_shut_down_exits_cleanly(llama_dir: str) -> None:
     assert "died" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_structured_output_reaches_the_ranks(llama_dir: str, async_scheduling: bool) -> None:
+@pytest.mark.parametrize(("async_scheduling", "tp", "pp"), [(False, 2, 1), (True, 2, 1), (True, 1, 2)])
+def test_structured_output_reaches_the_ranks(llama_dir: str, async_scheduling: bool, tp: int, pp: int) -> None:
     """The step's token bitmasks (a Future the xgrammar thread fills) go to the ranks filled in: JSON
-    outputs are valid, greedy and seeded, beside free requests that keep one rank's tokens."""
+    outputs are valid, greedy and seeded, beside free requests that keep one rank's tokens (under
+    pipeline parallelism the last stage applies them)."""
     from tests.structured.test_engine_structured import PROMPTS as JSON_PROMPTS
     from tests.structured.test_engine_structured import check_valid, constrained
 
@@ -144,7 +148,7 @@ def test_structured_output_reaches_the_ranks(llama_dir: str, async_scheduling: b
     one = LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128, async_scheduling=False)
     expected_free = [o.outputs[0].token_ids for o in one.generate(JSON_PROMPTS[2:], free, use_tqdm=False)]
     llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
-              async_scheduling=async_scheduling, tensor_parallel_size=2)
+              async_scheduling=async_scheduling, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
         outs = llm.generate(JSON_PROMPTS, params, use_tqdm=False)
         check_valid(outs[:2])

@@ -211,7 +211,8 @@ class Scheduler:
             else:
                 n, drafts = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, allowed(req),
                                 self.max_model_len - req.num_computed_tokens), None
-            if n <= 0 or (req.num_output_placeholders and (self._ends_with_placeholders(req)
+            if n <= 0 or (req.num_output_placeholders and (not self.config.schedule_tokens_in_flight
+                                                          or self._ends_with_placeholders(req)
                                                           or self._waits_for_tokens(req))):
                 i += 1
                 continue

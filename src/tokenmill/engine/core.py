@@ -4,6 +4,7 @@ this process or in its own (core_proc)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -153,7 +154,11 @@ class EngineCore:
         """Run one step and return its outputs. With async scheduling the next step is scheduled, its
         inputs built and queued before this one's outputs are waited for, so the scheduler, the
         input preparation and the caller's output processing run while the steps compute; a step
-        is scheduled with the tokens its predecessor samples as placeholders (Scheduler._advance).
+        is scheduled with the tokens its predecessor samples as placeholders (Scheduler._advance), or
+        under pipeline parallelism without the requests whose tokens are in flight, so that two
+        pipeline stages run different batches at once. (More steps in flight, one per stage, would also
+        need a preempted request held back until every step it was in has run: the scheduler's check
+        covers the one step in flight beside the one being scheduled.)
 
         Speculative decoding needs each step's output before the next is scheduled (its drafts follow
         the tokens taken): while the batch is small enough for proposing (`_speculating`) the steps run
@@ -277,10 +282,12 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Wait for the steps in flight and stop the worker thread (or processes)."""
+        """Wait for the steps in flight and stop the worker thread (or processes). A step that failed is
+        dropped with its error (a dead worker's was raised by the step that met it)."""
         try:
             while self._in_flight:
-                self._in_flight.popleft()[1].result()
+                with contextlib.suppress(Exception):
+                    self._in_flight.popleft()[1].result()
         finally:
             self.executor.shutdown()
         if isinstance(self.scheduler.structured_output, XGrammarBackend):

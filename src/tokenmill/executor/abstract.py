@@ -51,14 +51,22 @@ class Executor(ABC):
 
     def initialize_kv_cache(self) -> KVCacheConfig:
         """Plan the pool from the workers' attention layer specs within the cache budget (all ranks'), have every
-        worker allocate it, and return the plan (its num_blocks sizes the scheduler's block pool)."""
+        worker allocate it, and return the plan (its num_blocks sizes the scheduler's block pool). Pipeline
+        stages hold different layers: each stage gets its own plan, all with the blocks of the tightest
+        one (a block id names the same tokens on every stage), and the first stage's plan is returned."""
         specs: list[dict[str, KVCacheSpec]] = self.collective_rpc("get_kv_cache_specs")
-        if any(s != specs[0] for s in specs[1:]):
-            raise ValueError("workers declare different KV cache layers")
+        parallel = self.config.parallel
+        stages = [specs[stage * parallel.tensor_parallel_size] for stage in range(parallel.pipeline_parallel_size)]
+        if any(s != stages[parallel.stage_of(rank)] for rank, s in enumerate(specs)):
+            raise ValueError("workers of one pipeline stage declare different KV cache layers")
         cache = self.config.cache
         # the ranks share this machine's memory: each takes its share of the budget, so the pool's bytes
         # in all are the budget (and its tokens one rank's, where no KV head is replicated)
-        budget = cache.kv_cache_bytes // self.config.parallel.world_size
-        self.kv_cache_config = plan_kv_cache(specs[0], budget, cache.num_kv_blocks)
-        self.collective_rpc("initialize_kv_cache", (self.kv_cache_config,))
+        budget = cache.kv_cache_bytes // parallel.world_size
+        num_blocks = cache.num_kv_blocks
+        if num_blocks is None and len(stages) > 1:
+            num_blocks = min(plan_kv_cache(s, budget).num_blocks for s in stages)
+        plans = [plan_kv_cache(s, budget, num_blocks) for s in stages]
+        self.kv_cache_config = plans[0]
+        self.collective_rpc("initialize_kv_cache", (plans if len(plans) > 1 else plans[0],))
         return self.kv_cache_config

@@ -3,9 +3,10 @@
 Each rank's Worker runs in a process started with spawn, fed by a pipe. A call (a Worker method by
 name, the step's SchedulerOutput included) is pickled once and the same bytes are written to every
 rank's pipe: pipes rather than a shared-memory ring, since there are a few ranks, a step's message is
-kilobytes, and the OS does the blocking, the waking and the report of a closed end for us. Rank 0
-answers every call; the other ranks answer the calls that collect every rank's result
-(`collective_rpc`) and stay silent on steps, whose output is rank 0's.
+kilobytes, and the OS does the blocking, the waking and the report of a closed end for us. Every rank
+answers the calls that collect every rank's result (`collective_rpc`); on steps only the output rank
+answers (rank 0, or under pipeline parallelism the last stage's first rank, which samples) and the
+others stay silent.
 
 One sender thread writes the calls in the order they are made: a step whose token bitmasks are still
 being filled (structured output's Future, which the xgrammar thread fills once the tokens of the step
@@ -54,10 +55,11 @@ class _Call:
     method: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
-    reply_ranks: int = 1  # the ranks below this answer
+    reply_ranks: int = 1  # how many ranks answer: those from first_reply_rank on
+    first_reply_rank: int = 0
 
     def answered_by(self, rank: int) -> bool:
-        return rank < self.reply_ranks
+        return self.first_reply_rank <= rank < self.first_reply_rank + self.reply_ranks
 
 
 @dataclass
@@ -82,7 +84,7 @@ class MultiprocExecutor(Executor):
         self._cause: str | None = None  # the first error a worker reported before exiting
         self._closing = False
         self._outbox: queue.SimpleQueue[tuple[_Call, list[Future[Any]]] | None] = queue.SimpleQueue()
-        ready = self._expect(self.world_size)  # each worker answers once its model is loaded
+        ready = self._expect(range(self.world_size))  # each worker answers once its model is loaded
         try:
             self._start_workers()
         except BaseException:
@@ -133,9 +135,10 @@ class MultiprocExecutor(Executor):
         return self.submit(so).result()
 
     def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Queue the step for every rank and return rank 0's output to come. The workers run the steps
+        """Queue the step for every rank and return the output rank's output to come. The workers run the steps
         in the order they were made, so the next one is scheduled while this one computes."""
-        future: Future[ModelRunnerOutput] = self._post(_Call("execute_model", (so,)))[0]
+        call = _Call("execute_model", (so,), first_reply_rank=self.config.parallel.output_rank)
+        future: Future[ModelRunnerOutput] = self._post(call)[0]
         return future
 
     def check_health(self) -> None:
@@ -168,13 +171,13 @@ class MultiprocExecutor(Executor):
 
     # ---- calls and answers -------------------------------------------------------------------------
 
-    def _expect(self, ranks: int) -> list[Future[Any]]:
-        """One Future for the next answer of each of the first `ranks` ranks."""
-        futures: list[Future[Any]] = [Future() for _ in range(ranks)]
+    def _expect(self, ranks: range) -> list[Future[Any]]:
+        """One Future for the next answer of each of these ranks."""
+        futures: list[Future[Any]] = [Future() for _ in ranks]
         with self._lock:
             if self._dead is not None:
                 raise self._dead
-            for rank, f in enumerate(futures):
+            for rank, f in zip(ranks, futures, strict=True):
                 self._pending[rank].append(f)
         return futures
 
@@ -200,7 +203,7 @@ class MultiprocExecutor(Executor):
 
     def _send(self, call: _Call) -> list[Future[Any]]:
         data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)  # once, whatever the ranks
-        futures = self._expect(call.reply_ranks)
+        futures = self._expect(range(call.first_reply_rank, call.first_reply_rank + call.reply_ranks))
         try:
             for conn in self._calls:
                 conn.send_bytes(data)

@@ -215,9 +215,11 @@ class RayExecutor(Executor):
         return self.submit(so).result()
 
     def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Queue the step for every rank; rank 0's output to come. The actors run the steps in the order
-        they were sent, so the next one is scheduled while this one computes."""
-        future: Future[ModelRunnerOutput] = self._post(_Call("execute_model", (so,)))[0]
+        """Queue the step for every rank; the output rank's output to come (rank 0's, or the last pipeline
+        stage's first). The actors run the steps in the order they were sent, so the next one is scheduled
+        while this one computes."""
+        call = _Call("execute_model", (so,), first_reply_rank=self.config.parallel.output_rank)
+        future: Future[ModelRunnerOutput] = self._post(call)[0]
         return future
 
     def check_health(self) -> None:

@@ -1,4 +1,5 @@
-"""What a tensor-parallel rank holds of a layer, and the vocabulary-parallel embedding.
+"""What a tensor-parallel rank holds of a layer, the vocabulary-parallel embedding, and the placeholder
+of a module another pipeline stage holds.
 
 A column-parallel linear (q/k/v, gate/up, lm_head) holds a slice of each fused part's output rows; a
 row-parallel one (o_proj, down) a slice of the input columns, its partial products summed over the
@@ -73,3 +74,9 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows.size)
         h = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class PPMissingLayer(nn.Identity):
+    """The place of a module another pipeline stage holds (a layer outside this stage's range, the
+    embedding off the first stage, the final norm and lm_head off the last): no parameters, so the
+    checkpoint's tensors for it find nothing to fill and the stage loads only its own."""

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, KVScales, OutputRows
-from tokenmill.distributed import TensorParallel
+from tokenmill.distributed import PipelineParallel, TensorParallel
 from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 
 
@@ -30,6 +30,17 @@ class ModelOptions:
     lm_head_method: LinearMethod | None = None
     # this rank's place in the tensor-parallel group (the Llama family shards its layers by it)
     tp: TensorParallel = field(default_factory=TensorParallel)
+    # this rank's pipeline stage (the Llama family builds only the stage's layers)
+    pp: PipelineParallel = field(default_factory=PipelineParallel)
+
+
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage hands the next: the last layer's output, not yet added to the residual
+    stream, and the residual stream ([T, hidden] each, every row of the flat batch)."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
 
 
 @runtime_checkable
@@ -37,7 +48,9 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 rows: OutputRows | None = None) -> torch.Tensor:
         """The final hidden states [T, hidden] of every row of the flat batch, or with `rows` of those
-        rows only, in their order (the last layer may then compute its outputs for them alone)."""
+        rows only, in their order (the last layer may then compute its outputs for them alone). A model
+        built for a pipeline stage (`ModelOptions.pp`) also takes `intermediate`, the previous stage's
+        IntermediateTensors (on every stage but the first), and returns its own on every stage but the last."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

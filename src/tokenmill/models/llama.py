@@ -8,7 +8,13 @@ into their shards, and Phi-3's fused ones are split into them (`load_fused`).
 Under tensor parallelism (`ModelOptions.tp`) q/k/v and gate/up are column-parallel (each rank its
 heads, its KV heads, its share of the intermediate rows), o_proj and down row-parallel (summed over
 the ranks), the embedding and lm_head split by vocabulary (the logits gathered); each rank's
-PagedAttention, and so its KV cache, holds its own KV heads only."""
+PagedAttention, and so its KV cache, holds its own KV heads only.
+
+Under pipeline parallelism (`ModelOptions.pp`) a stage builds only its contiguous range of layers, the
+first stage the embedding, the last the final norm and lm_head (with tied embeddings the last stage loads
+the embedding's tensor into its lm_head); the others are PPMissingLayer placeholders, which keep the
+layers' names (and so the checkpoint's) and hold nothing. A stage's forward takes the previous stage's
+IntermediateTensors and returns its own, but the last, which returns the final hidden states."""
 
 from __future__ import annotations
 
@@ -33,9 +39,9 @@ from tokenmill.layers.linear import (
     weight_loader_of,
 )
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.parallel import VocabParallelEmbedding
+from tokenmill.layers.parallel import PPMissingLayer, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, ModelOptions
+from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, IntermediateTensors, ModelOptions
 
 # checkpoint projection -> (our fused parameter's module, shard id)
 STACKED: dict[str, tuple[str, ShardId]] = {
@@ -137,22 +143,37 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = opts.tp
-        self.embed_tokens: Embedding | VocabParallelEmbedding = (
-            Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
+        self.pp = pp = opts.pp
+        self.stage_layers = pp.layers(cfg.num_layers)
+        self.embed_tokens: Embedding | VocabParallelEmbedding | PPMissingLayer = (
+            PPMissingLayer() if not pp.is_first
+            else Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, opts, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, opts.dtype,
-                                            opts.lm_head_method or opts.linear_method, tp, padded=True)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, opts, i) if i in self.stage_layers else PPMissingLayer()
+                                    for i in range(cfg.num_layers))
+        self.norm: RMSNorm | PPMissingLayer = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last \
+            else PPMissingLayer()
+        self.lm_head: ColumnParallelLinear | PPMissingLayer = (
+            ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, opts.dtype,
+                                 opts.lm_head_method or opts.linear_method, tp, padded=True)
+            if pp.is_last else PPMissingLayer())
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, opts.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                rows: OutputRows | None = None) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        residual = None
+                rows: OutputRows | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if self.pp.is_first:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError("a pipeline stage after the first needs the previous stage's hidden states")
+            h, residual = intermediate.hidden, intermediate.residual
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, self.rotary, meta, rows if i == last else None)
+        for i in self.stage_layers:
+            h, residual = self.layers[i](h, residual, positions, self.rotary, meta, rows if i == last else None)
+        assert residual is not None  # (every stage holds at least one layer)
+        if not self.pp.is_last:
+            return IntermediateTensors(h, residual)
         h, _ = self.norm(h, residual)
         return h
 
@@ -175,8 +196,10 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layout(self) -> DecoderLayout | None:
         cfg = self.cfg
-        if cfg.qk_norm or self.rotary.rot_dim != cfg.head_dim or self.tp.size > 1:
-            return None  # (the fused C++ decode loop has no collectives: tensor parallel runs the layer loop)
+        if cfg.qk_norm or self.rotary.rot_dim != cfg.head_dim or self.tp.size > 1 or self.pp.size > 1:
+            # (the fused C++ decode loop has no collectives and runs the whole stack: tensor and pipeline
+            # parallel ranks run the layer loop)
+            return None
         layers = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             attn = layer.self_attn
@@ -186,6 +209,8 @@ class LlamaForCausalLM(nn.Module):
             if not self.describe_mlp(layer.mlp, weights):
                 return None
             layers.append(weights)
+        assert isinstance(self.norm, RMSNorm) and isinstance(self.lm_head, ColumnParallelLinear)
+        assert not isinstance(self.embed_tokens, PPMissingLayer)
         return DecoderLayout(self.embed_tokens.weight, layers, self.norm.weight, self.lm_head,
                              self.rotary.cos_cache, self.rotary.sin_cache, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.sliding_window)
@@ -196,10 +221,16 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     q/k/v and gate/up fused, and with `embed_tokens` and `lm_head` (one tensor for both where `tied`)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    # a pipeline stage with the lm_head but not the embedding (the last of several) loads the tied tensor
+    # into its lm_head; one with both ties them below; one with neither, or only the embedding, ties nothing
+    head_takes_embedding = tied and "lm_head.weight" in params and "embed_tokens.weight" not in params
+    tie = tied and "lm_head.weight" in params and "embed_tokens.weight" in params
     for ckpt_name, tensor in weights:
         name = ckpt_name.removeprefix("model.")
         if tied and name == "lm_head.weight":
             continue
+        if head_takes_embedding and name == "embed_tokens.weight":
+            name = "lm_head.weight"
         shard: ShardId = None
         for part, (fused, shard_id) in STACKED.items():
             if f".{part}." in name:
@@ -217,7 +248,7 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
         loaded.add(name)
-    if tied:  # one tensor for both (until a linear method repacks the lm_head's)
+    if tie:  # one tensor for both (until a linear method repacks the lm_head's)
         lm_head, embed = cast(LinearBase, model.get_submodule("lm_head")), model.get_submodule("embed_tokens")
         lm_head.weight = cast(nn.Parameter, embed.weight)
         lm_head.mark_loaded("weight")

@@ -9,7 +9,8 @@ post-processes its weights (e.g. packs them for oneDNN).
 
 A tensor-parallel rank maps the files instead (`mapped=True`): each tensor is a view of the file, which
 the layers' loaders narrow to the rank's slice before copying, so only that slice is read from disk and
-no rank holds a whole tensor it shards.
+no rank holds a whole tensor it shards. A pipeline stage maps them too: the tensors of the layers other
+stages hold find no parameter here and are never read.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from tokenmill.arch import ArchConfig, model_class
-from tokenmill.distributed import TensorParallel
+from tokenmill.distributed import PipelineParallel, TensorParallel
 from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 from tokenmill.models.interface import ModelOptions
 
@@ -136,7 +137,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
-                linear_method: LinearMethod | None = None, tp: TensorParallel | None = None) -> nn.Module:
+                linear_method: LinearMethod | None = None, tp: TensorParallel | None = None,
+                pp: PipelineParallel | None = None) -> nn.Module:
     """The registered model class for cfg, its parameters allocated on device and not initialised."""
     cls = model_class(cfg.architecture)
     # Layers skip random init, so this allocates uninitialised storage in the target dtype and touches
@@ -145,14 +147,15 @@ def build_model(cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
     with torch.device(device), _default_dtype(dtype):
         method = linear_method or UnquantizedLinearMethod()
         model: nn.Module = cls(cfg, ModelOptions(dtype, method, getattr(method, "lm_head_method", None),
-                                                 tp or TensorParallel()))
+                                                 tp or TensorParallel(), pp or PipelineParallel()))
     return model.requires_grad_(False)
 
 
 def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
-               linear_method: LinearMethod | None = None, tp: TensorParallel | None = None) -> nn.Module:
-    model = build_model(cfg, dtype, device, linear_method, tp)
-    sharded = tp is not None and tp.size > 1
+               linear_method: LinearMethod | None = None, tp: TensorParallel | None = None,
+               pp: PipelineParallel | None = None) -> nn.Module:
+    model = build_model(cfg, dtype, device, linear_method, tp, pp)
+    sharded = (tp is not None and tp.size > 1) or (pp is not None and pp.size > 1)
     with torch.no_grad():
         loaded = model.load_weights(iterate_checkpoint(model_dir, mapped=sharded))  # type: ignore[operator]
         missing = missing_weights(model, loaded)

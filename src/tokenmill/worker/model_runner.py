@@ -1,5 +1,12 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged KV cache (or the fused decode
-path where it applies), samples. The Worker (worker.py) builds it once the KV cache is bound."""
+path where it applies), samples. The Worker (worker.py) builds it once the KV cache is bound.
+
+On a pipeline stage (`PipelineParallel`) the runner receives the previous stage's hidden states before
+its layers and sends its own after them without waiting for them to be taken; the last stage samples and
+sends the sampled tokens back to the earlier stages, whose request states (and later steps' inputs) need
+them. An earlier stage takes them only when a step it prepares schedules one of those requests (the
+engine schedules a request again only once its token is in, so they have been sent by then), or when
+more than _MAX_TOKENS_BEHIND steps' tokens wait; meanwhile it runs the steps of other requests."""
 
 from __future__ import annotations
 
@@ -7,8 +14,9 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,7 +31,10 @@ from tokenmill.attention.backend import (
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed import InFlight, PipelineParallel
 from tokenmill.kv_cache_spec import KVCacheConfig
+from tokenmill.models.interface import IntermediateTensors
+from tokenmill.models.loader import TORCH_DTYPES
 from tokenmill.spec_decode.proposer import ProposalInput, Proposer
 from tokenmill.worker.cuda_graphs import DecodeGraphs, graphable
 from tokenmill.worker.fused_decode import FusedDecode
@@ -34,6 +45,8 @@ from tokenmill.worker.sampler import Sampler, SamplerOutput, topn_logprobs
 from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
 logger = logging.getLogger(__name__)
+# an earlier pipeline stage takes the oldest steps' sampled tokens past this many, needed or not
+_MAX_TOKENS_BEHIND = 8
 
 
 @dataclass
@@ -49,10 +62,29 @@ class PreparedStep:
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)  # written in after the copies
 
 
+@dataclass
+class StageTimes:
+    """A pipeline stage's seconds, summed over the steps that ran the model: in all (`step_s`), waiting
+    for and receiving the previous stage's hidden states (`recv_s`), posting its own (`send_s`); and,
+    outside the steps (while preparing them), waiting for and receiving the sampled tokens (`tokens_s`:
+    the earlier stages)."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    recv_s: float = 0.0
+    send_s: float = 0.0
+    tokens_s: float = 0.0
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Any, backend: AttentionBackend, ops: Any,
-                 kv_config: KVCacheConfig, kv_caches: KVCacheTensors) -> None:
+                 kv_config: KVCacheConfig, kv_caches: KVCacheTensors, pp: PipelineParallel | None = None) -> None:
         self.config = config
+        self.pp = pp or PipelineParallel()
+        self.stage_times = StageTimes()
+        self._sends: list[InFlight] = []  # this stage's sends not known to be complete
+        # an earlier stage's steps whose sampled tokens it has not taken yet, oldest first
+        self._tokens_behind: deque[_TokensBehind] = deque()
         self.model = model
         self.backend = backend
         self.device = torch.device(config.device.device)
@@ -96,6 +128,8 @@ class ModelRunner:
         """The step's inputs, built from the states as they are now: for async scheduling this runs while
         the step before is still executing, so a decode row whose token that step samples is left
         pending (StepBatch.pending_inputs) and filled in by execute(). None: nothing to run."""
+        if self._tokens_behind:
+            self._take_tokens(so)
         update_states(self.states, so, self.device, self.sampling, self.failed)
         if so.finished_req_ids and (done := getattr(self.proposer, "finished", None)) is not None:
             done(so.finished_req_ids)
@@ -151,6 +185,8 @@ class ModelRunner:
                        and getattr(self.proposer, "active", True))
             start = time.perf_counter()
             out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling, propose)
+            self.stage_times.steps += 1
+            self.stage_times.step_s += time.perf_counter() - start
             if propose:
                 step = prepared.step  # measured where it ran decodes and verification runs only
                 step_s = time.perf_counter() - start if len(step.logits_indices) == len(step.input_ids) else None
@@ -185,13 +221,71 @@ class ModelRunner:
                     self._record(step, out, self.sampler.from_argmax(ids.tolist(), sampling))
                     return out
             hidden = fused.forward(input_ids, positions, meta)
+        elif self.pp.size > 1:
+            stage_hidden = self._stage_forward(input_ids, positions, meta, rows)
+            if stage_hidden is None:  # an earlier stage: the last one samples and sends the tokens back
+                if step.sample_states:
+                    self._tokens_behind.append(_TokensBehind({st.req_id for st in step.sample_states},
+                                                             step.sample_states, self._token_capacity(step)))
+                return out
+            hidden = stage_hidden
         else:
             hidden = self.model(input_ids, positions, meta, rows)
         if sampling is not None:
             self._sample(hidden, step, out, sampling, keep_hidden)
+            if self.pp.size > 1:
+                self._share_tokens(step, out)
         for rid, (row0, n, pos0, st) in step.prompt_lp_rows.items():
             out.prompt_logprobs[rid] = (pos0, self._prompt_logprobs(hidden[row0:row0 + n], st, pos0))
         return out
+
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       rows: OutputRows | None) -> torch.Tensor | None:
+        """This stage's layers over the step: the final hidden states on the last stage, None on the
+        others (which send theirs on)."""
+        pp, times = self.pp, self.stage_times
+        intermediate = None
+        if not pp.is_first:
+            start = time.perf_counter()
+            shape = (2, len(input_ids), self.config.model.arch.hidden_size)
+            received = pp.recv(shape, TORCH_DTYPES[self.config.model.dtype])
+            times.recv_s += time.perf_counter() - start
+            intermediate = IntermediateTensors(received[0], received[1])
+        result = self.model(input_ids, positions, meta, rows, intermediate)
+        if pp.is_last:
+            return cast(torch.Tensor, result)
+        start = time.perf_counter()
+        self._sends = [s for s in self._sends if not s.done()]
+        self._sends.append(pp.send(torch.stack([result.hidden, result.residual])))
+        times.send_s += time.perf_counter() - start
+        return None
+
+    @staticmethod
+    def _token_capacity(step: StepBatch) -> list[int]:
+        """The most tokens each sampled row takes: one, and one per draft it verifies."""
+        return [1 + len(step.sample_drafts.get(k, ())) for k in range(len(step.sample_states))]
+
+    def _share_tokens(self, step: StepBatch, out: ModelRunnerOutput) -> None:
+        """The last stage's sampled tokens to the earlier stages (from its first rank only: the others
+        sampled the same)."""
+        if self.pp.rank == self.pp.output_rank:
+            self._sends = [s for s in self._sends if not s.done()]
+            self._sends += self.pp.send_tokens([out.sampled_token_ids[p] for p in step.sample_positions],
+                                               self._token_capacity(step))
+
+    def _take_tokens(self, so: SchedulerOutput) -> None:
+        """An earlier stage's side of _share_tokens, before it prepares `so`: the tokens of the steps up to
+        the last one that sampled a request `so` schedules (and of the oldest past _MAX_TOKENS_BEHIND),
+        in step order, into the request states, as sampling does."""
+        behind = self._tokens_behind
+        scheduled = so.num_scheduled_tokens
+        needed = max((i + 1 for i, t in enumerate(behind) if any(rid in scheduled for rid in t.req_ids)), default=0)
+        start = time.perf_counter()
+        for _ in range(max(needed, len(behind) - _MAX_TOKENS_BEHIND)):
+            taken = behind.popleft()
+            for st, row in zip(taken.states, self.pp.recv_tokens(taken.capacity), strict=True):
+                st.token_ids.extend(row)
+        self.stage_times.tokens_s += time.perf_counter() - start
 
     def _sample(self, hidden: torch.Tensor, step: StepBatch, out: ModelRunnerOutput,
                 sampling: SamplingMetadata, keep_hidden: bool) -> None:
@@ -236,6 +330,15 @@ class ModelRunner:
         logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(st.token_ids[pos0:pos0 + hidden.shape[0]], device=self.device)
         return topn_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs or 0)
+
+
+@dataclass
+class _TokensBehind:
+    """A step's sampled rows whose tokens an earlier pipeline stage has not taken yet."""
+
+    req_ids: set[str]
+    states: list[CachedRequestState]
+    capacity: list[int]  # the most tokens each row takes
 
 
 def draft_probs_of(req_ids: list[str], drafts: dict[int, list[int]], q: dict[str, torch.Tensor]

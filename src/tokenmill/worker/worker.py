@@ -6,6 +6,7 @@ executor/worker contract."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -16,7 +17,7 @@ from tokenmill.attention import get_backend
 from tokenmill.attention.backend import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, default_num_threads
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.distributed import TensorParallel, init_tensor_parallel
+from tokenmill.distributed import PipelineParallel, TensorParallel, init_parallel
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, kv_storage_dtype
 from tokenmill.layers import use_cpu_kernels
@@ -35,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """`rank` of the tensor-parallel group, which its ranks join through `distributed_init` (a file
-    path or a tcp:// URL for torch.distributed's rendezvous; None for a single rank)."""
+    """`rank` of the world of tensor x pipeline parallel ranks, which they join through `distributed_init`
+    (a file path or a tcp:// URL for torch.distributed's rendezvous; None for a single rank)."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init: str | None = None) -> None:
         self.config = config
@@ -45,6 +46,7 @@ class Worker:
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.model_runner: ModelRunner | None = None
         self.tp = TensorParallel()
+        self.pp = PipelineParallel()
         self.init_device(distributed_init)
         self.load_model()
 
@@ -53,11 +55,12 @@ class Worker:
         if self.device.type == "cpu":  # each rank its share of the threads
             torch.set_num_threads(parallel.threads_per_rank(self.config.device.num_threads or default_num_threads()))
             keep_freed_memory()
-        if parallel.tensor_parallel_size > 1:
+        if parallel.world_size > 1:
             if distributed_init is None:
-                raise ValueError("a tensor-parallel worker needs its group's rendezvous (distributed_init)")
-            self.tp = init_tensor_parallel(self.rank, parallel.tensor_parallel_size, distributed_init)
-        # every rank the same seed: each samples the same tokens from the same gathered logits
+                raise ValueError("a worker of several ranks needs its group's rendezvous (distributed_init)")
+            self.tp, self.pp = init_parallel(self.rank, parallel.tensor_parallel_size,
+                                             parallel.pipeline_parallel_size, distributed_init)
+        # every rank the same seed: each last-stage rank samples the same tokens from the same gathered logits
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> None:
@@ -67,7 +70,7 @@ class Worker:
         use_ops = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.device.cpu_kernels
         self.ops: Any = load_cpu_kernels() if use_ops else None
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
-                                     self._linear_method(), self.tp)
+                                     self._linear_method(), self.tp, self.pp)
         use_cpu_kernels(self.model, self.ops)
         if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers
             from tokenmill.kernels.triton.elementwise import TritonOps
@@ -90,18 +93,30 @@ class Worker:
         tensors = {id(p): p for p in self.model.parameters()}.values()
         return sum(int(torch.ops.mkldnn._nbytes(p)) if p.is_mkldnn else p.numel() * p.element_size() for p in tensors)
 
+    def stage_layers(self) -> range:
+        """The indices of the model's layers this rank's pipeline stage holds."""
+        return self.pp.layers(self.config.model.arch.num_layers)
+
+    def stage_times(self) -> dict[str, float]:
+        """This rank's StageTimes (summed over the steps so far) as a dict: what a pipeline stage waited for."""
+        return dataclasses.asdict(self.runner().stage_times)
+
     def pid(self) -> int:
         return os.getpid()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return kv_cache_specs(self.model, self.config.cache.block_size, self.kv_dtype)
 
-    def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
+    def initialize_kv_cache(self, kv_config: KVCacheConfig | list[KVCacheConfig]) -> None:
+        """Allocate the pool `kv_config` plans; a list gives each pipeline stage's plan in stage order (a
+        stage's layers are its own; the plans agree on the blocks)."""
+        if isinstance(kv_config, list):
+            kv_config = kv_config[self.pp.stage]
         caches = allocate_kv_caches(kv_config, self.device)
         bind_kv_caches(self.model, caches, self.backend)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", kv_config.num_blocks,
                     kv_config.block_size, kv_config.num_blocks * kv_config.block_size, caches.nbytes / 2**20)
-        self.model_runner = ModelRunner(self.config, self.model, self.backend, self.ops, kv_config, caches)
+        self.model_runner = ModelRunner(self.config, self.model, self.backend, self.ops, kv_config, caches, self.pp)
         self._install_proposer()
 
     def _install_proposer(self) -> None:
