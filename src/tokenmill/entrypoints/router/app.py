@@ -144,9 +144,12 @@ class Router:
         key = self.config.worker_api_key
         return {"authorization": f"Bearer {key}"} if key else {}
 
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in list(self.pool.replicas.values())))
+
     async def heartbeat(self) -> None:
         while True:
-            await asyncio.gather(*(self.probe(r) for r in list(self.pool.replicas.values())))
+            await self.probe_all()
             await asyncio.sleep(self.config.health_interval)
 
     async def forward(self, request: Request, path: str) -> Response:
@@ -225,12 +228,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def build_app(config: RouterConfig) -> FastAPI:
-    router = Router(config)
+def proxy_app(router: Router, title: str, routes: tuple[str, ...]) -> FastAPI:
+    """What the router and the disaggregation proxy share: the replicas probed at start and every
+    health_interval, `routes` forwarded by `router.forward`, /v1/models over the healthy replicas, and
+    /metrics; each adds its /health and routes of its own."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await asyncio.gather(*(router.probe(r) for r in list(router.pool.replicas.values())))
+        await router.probe_all()
         beat = asyncio.create_task(router.heartbeat())
         try:
             yield
@@ -240,11 +245,11 @@ def build_app(config: RouterConfig) -> FastAPI:
                 await beat
             await router.client.aclose()
 
-    app = FastAPI(title="tokenmill router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     install_error_handlers(app)
 
-    for path in ROUTES:
+    for path in routes:
         async def proxy(request: Request, _path: str = path) -> Response:
             return await router.forward(request, _path)
         app.add_api_route(path, proxy, methods=["POST"])
@@ -255,15 +260,22 @@ def build_app(config: RouterConfig) -> FastAPI:
         return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "tokenmill"}
                                                         for m in names]})
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+    app = proxy_app(router, "tokenmill router", ROUTES)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         workers = [{"url": r.url, "healthy": r.healthy, "requests_running": r.in_flight}
                    for r in router.pool.replicas.values()]
         return JSONResponse({"workers": workers}, status_code=200 if router.pool.healthy() else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/router/workers")
     async def list_workers() -> JSONResponse:

@@ -22,19 +22,17 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.entrypoints.openai.errors import install_error_handlers
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
-from tokenmill.entrypoints.router.app import Router, RouterConfig, parse_body
+from tokenmill.entrypoints.router.app import Router, RouterConfig, parse_body, proxy_app
 from tokenmill.entrypoints.router.pool import ReplicaPool
 
 logger = logging.getLogger(__name__)
@@ -121,11 +119,6 @@ class DisaggProxy(Router):
         self.fallbacks = 0
         self.registry.register(_PrefillCollector(self))
 
-    async def heartbeat(self) -> None:
-        while True:
-            await self.probe_all()
-            await asyncio.sleep(self.config.health_interval)
-
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in list(self.pool.replicas.values())),
                              *(self.probe(r, self.prefill) for r in list(self.prefill.replicas.values())))
@@ -180,33 +173,7 @@ def build_disagg_app(config: DisaggConfig) -> FastAPI:
     if not config.decode:
         raise ValueError("give at least one --decode URL")
     proxy = DisaggProxy(config)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await proxy.probe_all()
-        beat = asyncio.create_task(proxy.heartbeat())
-        try:
-            yield
-        finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
-            await proxy.client.aclose()
-
-    app = FastAPI(title="tokenmill disagg-proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.router = proxy
-    install_error_handlers(app)
-
-    for path in ROUTES:
-        async def route(request: Request, _path: str = path) -> Response:
-            return await proxy.forward(request, _path)
-        app.add_api_route(path, route, methods=["POST"])
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        names = sorted({m for r in proxy.pool.healthy() for m in r.models})
-        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "tokenmill"}
-                                                        for m in names]})
+    app = proxy_app(proxy, "tokenmill disagg-proxy", ROUTES)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -216,9 +183,5 @@ def build_disagg_app(config: DisaggConfig) -> FastAPI:
         # decode instances serve every request (they compute the prompt when no prefill instance can)
         return JSONResponse({"prefill": listing(proxy.prefill), "decode": listing(proxy.pool)},
                             status_code=200 if proxy.pool.healthy() else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(proxy.registry), media_type="text/plain; version=0.0.4")
 
     return GuardMiddleware(app, config.api_key, config.max_request_bytes)  # type: ignore[return-value]
