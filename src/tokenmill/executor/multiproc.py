@@ -70,7 +70,37 @@ class _Reply:
     fatal: bool = False  # the worker exits after sending this
 
 
-class MultiprocExecutor(Executor):
+class RankCallExecutor(Executor):
+    """An executor whose ranks each get every call (`_post`: a Future for each answering rank's answer) and
+    that fails every call once a rank is dead (`_dead`): the multiprocess and the Ray executors. The
+    ranks run the steps in the order they were sent, so the next one is scheduled while this one computes;
+    the output rank (rank 0, or the last pipeline stage's first) answers a step."""
+
+    world_size: int
+    _dead: WorkerDied | None
+
+    def _post(self, call: _Call) -> list[Future[Any]]:
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        futures = self._post(_Call(method, args, kwargs or {}, self.world_size))
+        return [f.result() for f in futures]
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(so).result()
+
+    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        call = _Call("execute_model", (so,), first_reply_rank=self.config.parallel.output_rank)
+        future: Future[ModelRunnerOutput] = self._post(call)[0]
+        return future
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+
+class MultiprocExecutor(RankCallExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.world_size = config.parallel.world_size
@@ -125,25 +155,6 @@ class MultiprocExecutor(Executor):
                 self._replies.append(replies_in)
 
     # ---- the Executor interface --------------------------------------------------------------------
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
-        futures = self._post(_Call(method, args, kwargs or {}, self.world_size))
-        return [f.result() for f in futures]
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit(so).result()
-
-    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Queue the step for every rank and return the output rank's output to come. The workers run the steps
-        in the order they were made, so the next one is scheduled while this one computes."""
-        call = _Call("execute_model", (so,), first_reply_rank=self.config.parallel.output_rank)
-        future: Future[ModelRunnerOutput] = self._post(call)[0]
-        return future
-
-    def check_health(self) -> None:
-        if self._dead is not None:
-            raise self._dead
 
     def shutdown(self) -> None:
         if self._closing:

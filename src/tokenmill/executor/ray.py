@@ -44,9 +44,16 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenmill.config import EngineConfig, default_num_threads
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.executor.abstract import Executor, WorkerDied
-from tokenmill.executor.multiproc import _Call, _describe, _Reply, _with_bitmasks, reply_error, run_call
+from tokenmill.executor.abstract import WorkerDied
+from tokenmill.executor.multiproc import (
+    RankCallExecutor,
+    _Call,
+    _describe,
+    _Reply,
+    _with_bitmasks,
+    reply_error,
+    run_call,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +110,7 @@ class _RankActor:
         threading.Event().wait()
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankCallExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.world_size = config.parallel.world_size
@@ -205,26 +212,6 @@ class RayExecutor(Executor):
             self._watches.append(watch)
 
     # ---- the Executor interface --------------------------------------------------------------------
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
-        futures = self._post(_Call(method, args, kwargs or {}, self.world_size))
-        return [f.result() for f in futures]
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit(so).result()
-
-    def submit(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Queue the step for every rank; the output rank's output to come (rank 0's, or the last pipeline
-        stage's first). The actors run the steps in the order they were sent, so the next one is scheduled
-        while this one computes."""
-        call = _Call("execute_model", (so,), first_reply_rank=self.config.parallel.output_rank)
-        future: Future[ModelRunnerOutput] = self._post(call)[0]
-        return future
-
-    def check_health(self) -> None:
-        if self._dead is not None:
-            raise self._dead
 
     def shutdown(self) -> None:
         if self._closing:
