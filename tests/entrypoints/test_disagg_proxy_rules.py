@@ -44,9 +44,9 @@ def test_the_prefill_copy_computes_one_token_and_answers_once() -> None:
 
 def test_bad_urls_and_no_decode_instance_are_refused() -> None:
     with pytest.raises(ValueError, match="--decode"):
-        build_disagg_app(DisaggConfig(prefill=("http://127.0.0.1:1",), decode=()))
+        build_disagg_app(DisaggConfig(prefill=("http://127.0.0.1:1",), workers=()))
     with pytest.raises(ValueError, match="http://"):
-        build_disagg_app(DisaggConfig(prefill=("127.0.0.1:1",), decode=("http://127.0.0.1:2",)))
+        build_disagg_app(DisaggConfig(prefill=("127.0.0.1:1",), workers=("http://127.0.0.1:2",)))
 
 
 def test_the_command_refuses_no_decode_instance(capsys: pytest.CaptureFixture[str]) -> None:

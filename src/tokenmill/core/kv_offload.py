@@ -133,6 +133,14 @@ class KVOffloadStore:
             self.disk.close()
 
 
+def kv_layout_fingerprint(config: EngineConfig, block_nbytes: int, *more: str) -> str:
+    """A hash of what makes one engine's KV block bytes readable by another: the architecture, the model
+    and cache dtypes, the block size and bytes (and `more`, e.g. the model's path)."""
+    parts = (*more, config.model.arch, config.model.dtype, config.cache.kv_cache_dtype, config.cache.block_size,
+             block_nbytes)
+    return xxhash.xxh3_64_hexdigest("|".join(map(str, parts)).encode())
+
+
 def kv_offload_store(config: EngineConfig, block_nbytes: int) -> KVOffloadStore | None:
     """The store the config asks for (None: no second tier). The disk tier's files are kept apart by the
     layout's fingerprint: the model directory and architecture, the cache's dtype, block size and bytes."""
@@ -141,8 +149,6 @@ def kv_offload_store(config: EngineConfig, block_nbytes: int) -> KVOffloadStore 
         return None
     disk = None
     if cache.kv_offload_disk is not None:
-        layout = "|".join(map(str, (os.path.abspath(config.model.model), config.model.arch, config.model.dtype,
-                                    cache.kv_cache_dtype, cache.block_size, block_nbytes)))
-        disk = DiskTier(cache.kv_offload_disk, cache.kv_offload_disk_bytes, xxhash.xxh3_64_hexdigest(layout.encode()),
-                        block_nbytes)
+        disk = DiskTier(cache.kv_offload_disk, cache.kv_offload_disk_bytes,
+                        kv_layout_fingerprint(config, block_nbytes, os.path.abspath(config.model.model)), block_nbytes)
     return KVOffloadStore(block_nbytes, cache.kv_offload_memory_bytes, disk)

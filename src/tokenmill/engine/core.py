@@ -12,10 +12,8 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-import xxhash
-
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_offload import kv_offload_store
+from tokenmill.core.kv_offload import kv_layout_fingerprint, kv_offload_store
 from tokenmill.core.kv_transfer import KVTransfer
 from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.core.request import Request
@@ -74,9 +72,7 @@ class EngineCore:
                 kv_config.bytes_per_block, producer=tc.is_producer, consumer=tc.is_consumer,
                 transfer_timeout_s=tc.extra("transfer_timeout_s"), hold_timeout_s=tc.extra("hold_timeout_s"),
                 blocks_per_step=int(tc.extra("blocks_per_step")),
-                layout=xxhash.xxh3_64_hexdigest("|".join(map(str, (
-                    config.model.arch, config.model.dtype, config.cache.kv_cache_dtype, config.cache.block_size,
-                    kv_config.bytes_per_block))).encode()))
+                layout=kv_layout_fingerprint(config, kv_config.bytes_per_block))
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
         self._failed: list[EngineCoreOutput] = []  # requests of failed steps, not yet reported

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     check_proxy_options(args)
     if not args.decode:
         raise ValueError("give at least one --decode URL (and --prefill URLs for the prefill instances)")
-    config = DisaggConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), api_key=args.api_key or None,
+    config = DisaggConfig(prefill=tuple(args.prefill), workers=tuple(args.decode), api_key=args.api_key or None,
                           worker_api_key=args.worker_api_key, health_interval=args.health_interval,
                           max_attempts=args.max_attempts, request_timeout=args.request_timeout)
     app = build_disagg_app(config)  # validates the URLs

@@ -42,16 +42,16 @@ _CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_cho
 
 
 @dataclasses.dataclass(frozen=True)
-class DisaggConfig:
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    api_key: str | None = None
-    worker_api_key: str | None = None
-    health_interval: float = 1.0
-    max_failures: int = 3
-    max_attempts: int = 3
-    request_timeout: float = 600.0
-    max_request_bytes: int = 16 * 2**20
+class DisaggConfig(RouterConfig):
+    """The router's settings over the decode instances (`workers`, fewest requests in flight first), and
+    the prefill instances."""
+
+    prefill: tuple[str, ...] = ()
+    policy: str = "least_load"
+
+    @property
+    def decode(self) -> tuple[str, ...]:
+        return self.workers
 
 
 def splittable(path: str, body: dict[str, Any]) -> bool:
@@ -107,11 +107,7 @@ class DisaggProxy(Router):
     """The router over the decode instances (least in flight), plus the prefill instances."""
 
     def __init__(self, config: DisaggConfig) -> None:
-        super().__init__(RouterConfig(workers=config.decode, policy="least_load", api_key=config.api_key,
-                                      worker_api_key=config.worker_api_key, health_interval=config.health_interval,
-                                      max_failures=config.max_failures, max_attempts=config.max_attempts,
-                                      request_timeout=config.request_timeout,
-                                      max_request_bytes=config.max_request_bytes))
+        super().__init__(config)
         self.prefill = ReplicaPool("least_load", max_failures=config.max_failures)
         for url in config.prefill:
             self.prefill.add(url)
