@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -47,6 +48,17 @@ def executor_of(llm: LLM) -> MultiprocExecutor:
     return executor
 
 
+def assert_peers_stopped_and_engine_closed(llm: LLM, pids: Sequence[int | None]) -> None:
+    """After a rank's death: every other rank is stopped within seconds, and the engine takes nothing more."""
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a rank outlived its dead peer"
+        time.sleep(0.05)
+    with pytest.raises(WorkerDied):
+        llm.engine.add_request("next", PROMPTS[1], greedy(4))
+        llm.engine.step()
+
+
 def gone(pid: int | None) -> bool:
     assert pid is not None
     try:
@@ -73,13 +85,7 @@ def test_worker_killed_mid_generation(llama_dir: str, tp: int, pp: int, rank: in
         assert isinstance(error, WorkerDied), error
         assert f"worker rank {rank} (pid {executor.pids[rank]}) died (killed by SIGKILL)" in str(error)
         assert time.monotonic() - started < DEADLINE_S
-        deadline = time.monotonic() + 10
-        while not all(gone(pid) for pid in executor.pids):  # the survivor is stopped too
-            assert time.monotonic() < deadline, "a worker outlived its dead peer"
-            time.sleep(0.05)
-        with pytest.raises(WorkerDied):  # and the engine takes nothing more
-            llm.engine.add_request("next", PROMPTS[1], greedy(4))
-            llm.engine.step()
+        assert_peers_stopped_and_engine_closed(llm, executor.pids)
     finally:
         llm.shutdown()
 

@@ -19,7 +19,7 @@ import ray
 from tests.entrypoints.server import RemoteServer, free_port
 from tests.entrypoints.test_serve_cli import assert_one_line_error, serve
 from tests.executor.ray_cluster import local_ray_cluster
-from tests.executor.test_multiproc import DEADLINE_S, gone, step_until_error
+from tests.executor.test_multiproc import DEADLINE_S, assert_peers_stopped_and_engine_closed, step_until_error
 from tests.models.test_golden import MAX_TOKENS, PROMPTS, check_prefix_hits, expected, greedy, run
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.abstract import WorkerDied
@@ -89,13 +89,7 @@ def test_actor_killed(ray_address: str, llama_dir: str, idle: bool) -> None:
         assert isinstance(error, WorkerDied), error
         assert f"worker rank {rank} (Ray actor, pid {pid} on " in str(error) and ") died: ActorDiedError" in str(error)
         assert time.monotonic() - started < 10
-        deadline = time.monotonic() + 10
-        while not all(gone(p) for p in executor.pids):  # the survivor is stopped too
-            assert time.monotonic() < deadline, "an actor outlived its dead peer"
-            time.sleep(0.05)
-        with pytest.raises(WorkerDied):  # and the engine takes nothing more
-            llm.engine.add_request("next", PROMPTS[1], greedy(4))
-            llm.engine.step()
+        assert_peers_stopped_and_engine_closed(llm, executor.pids)
     finally:
         llm.shutdown()
 
