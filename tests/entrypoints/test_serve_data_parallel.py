@@ -139,13 +139,16 @@ def test_a_dead_replica_ends_its_requests_and_the_other_serves(llama_dir: str) -
 
 def test_stats_sum_as_one_engine() -> None:
     a = SchedulerStats(num_running=2, kv_cache_usage=0.5, num_total_blocks=100, prefix_cache_hits=10,
-                       spec_num_accepted_tokens_per_pos=[3, 1], step=StepStats(steps=5, last_step_s=0.1))
+                       spec_num_accepted_tokens_per_pos=[3, 1], step=StepStats(steps=5, last_step_s=0.1),
+                       structured_requests={"json": 2})
     b = SchedulerStats(num_running=1, kv_cache_usage=0.25, num_total_blocks=300, prefix_cache_hits=4,
-                       spec_num_accepted_tokens_per_pos=[2], step=StepStats(steps=7, last_step_s=0.3))
+                       spec_num_accepted_tokens_per_pos=[2], step=StepStats(steps=7, last_step_s=0.3),
+                       structured_requests={"json": 1, "regex": 4})
     merged = merge_stats([a, b], latest=1)
     assert merged.num_running == 3 and merged.num_total_blocks == 400 and merged.prefix_cache_hits == 14
     assert merged.kv_cache_usage == pytest.approx((50 + 75) / 400)
     assert merged.spec_num_accepted_tokens_per_pos == [5, 1]
+    assert merged.structured_requests == {"json": 3, "regex": 4}
     assert merged.step == StepStats(steps=12, last_step_s=0.3)
     assert merge_stats([a, None], latest=0) == a
 

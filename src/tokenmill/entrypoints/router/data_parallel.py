@@ -259,6 +259,8 @@ def _sum_structs(items: list[Any], latest: Any, kind: Any) -> Any:
             values[name] = sum(parts)
         elif parts and all(isinstance(p, list) for p in parts):
             values[name] = [sum(column) for column in _columns(parts)]
+        elif parts and all(isinstance(p, dict) for p in parts):  # counts by key (structured output's kinds)
+            values[name] = {key: sum(p.get(key, 0) for p in parts) for key in set().union(*parts)}
     return kind(**values)
 
 
