@@ -45,6 +45,7 @@ def test_affinity_is_bounded_least_recently_used_first() -> None:
     assert len(table) == 4
     assert table.matches(old) == {}  # its first chunk went out first, so the whole run is gone
     assert table.matches(new) == {B: 3}
+    assert table.held(A) == 1 and table.held(B) == 3  # old's second chunk is left
     with pytest.raises(ValueError, match="capacity"):
         PrefixAffinity(capacity=0)
 
@@ -67,8 +68,29 @@ def test_prefix_policy_sends_a_shared_prefix_to_its_replica() -> None:
         assert r is first
         pool.started(r, h)
     other = pool.choose(prefix_hashes("t" * 5 * TEXT_CHUNK_CHARS, 100))
-    assert other is not None and other is not first  # a new prefix goes to the least loaded
+    assert other is not None and other is not first  # a new prefix goes to the replica holding fewer chunks
     assert pool.prefix_routed == 5
+
+
+def test_new_prefixes_spread_over_the_caches_not_over_whoever_is_idle() -> None:
+    """A replica that holds more prefix chunks gets no new prefix while the other holds fewer, even
+    when it is the idle one at that moment (within the bound on imbalance); the table counts what
+    each replica holds, and forgets it with the replica."""
+    pool = _pool(balance_abs=2, balance_rel=1.5)
+    a, b = pool.replicas[A], pool.replicas[B]
+    prefixes = [prefix_hashes(c * 4 * TEXT_CHUNK_CHARS, 100) for c in "pqrstu"]
+    for h in prefixes:
+        r = pool.choose(h)
+        assert r is not None
+        pool.started(r, h)
+        pool.finished(r)
+        other = b if r is a else a
+        other.in_flight, r.in_flight = 1, 0  # the replica just chosen is idle, the other is busy
+    assert pool.affinity.held(A) == pool.affinity.held(B) == 12  # three 4-chunk prefixes each
+    a.in_flight, b.in_flight = 4, 0  # past the bound: a new prefix goes to the least loaded
+    assert pool.choose(prefix_hashes("v" * 4 * TEXT_CHUNK_CHARS, 100)) is b
+    pool.affinity.forget(A)
+    assert pool.affinity.held(A) == 0 and pool.affinity.held(B) == 12
 
 
 def test_prefix_policy_leaves_an_overloaded_holder() -> None:

@@ -41,6 +41,7 @@ class PrefixAffinity:
             raise ValueError("the affinity table needs a positive capacity")
         self.capacity = capacity
         self._owners: OrderedDict[int, set[str]] = OrderedDict()
+        self._held: dict[str, int] = {}  # replica -> how many hashes name it among their owners
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -59,13 +60,22 @@ class PrefixAffinity:
                 found[replica] = depth
         return found
 
+    def held(self, replica: str) -> int:
+        """How many prefix chunks the table says the replica holds (its share of the cached prefixes)."""
+        return self._held.get(replica, 0)
+
     def record(self, hashes: Sequence[int], replica: str) -> None:
         """The replica now holds these prefixes (it just served the prompt)."""
         for h in hashes:
-            self._owners.setdefault(h, set()).add(replica)
+            owners = self._owners.setdefault(h, set())
+            if replica not in owners:
+                owners.add(replica)
+                self._held[replica] = self._held.get(replica, 0) + 1
             self._owners.move_to_end(h)
         while len(self._owners) > self.capacity:
-            self._owners.popitem(last=False)
+            _, owners = self._owners.popitem(last=False)
+            for r in owners:
+                self._held[r] -= 1
 
     def forget(self, replica: str) -> None:
         """A replica left (or restarted with an empty cache): it holds nothing."""
@@ -74,3 +84,4 @@ class PrefixAffinity:
             owners.discard(replica)
             if not owners:
                 del self._owners[h]
+        self._held.pop(replica, None)

@@ -4,8 +4,10 @@ proxies, this decides).
 Policies:
 - `prefix` (default): the healthy replica holding the longest leading run of the prompt's chunks,
   unless its load is over the bound on imbalance (more than `balance_abs` requests in flight above
-  the least loaded replica and more than `balance_rel` times its load); then, and when no replica
-  holds any of the prompt, the least loaded.
+  the least loaded replica and more than `balance_rel` times its load); then the least loaded. A
+  prompt that no replica holds goes to the replica holding the fewest prefix chunks (ties: the
+  least loaded), under the same bound, so that distinct prefixes spread evenly over the replicas'
+  caches instead of following whichever replica happened to be idle when each first arrived.
 - `least_load`: fewest requests in flight (ties: fewest routed so far).
 - `round_robin`: each healthy replica in turn.
 """
@@ -93,14 +95,15 @@ class ReplicaPool:
             return least
         matches = self.affinity.matches(hashes)
         held = [r for r in candidates if matches.get(r.url)]
-        if not held:
-            return least
-        best = max(held, key=lambda r: (matches[r.url], -r.in_flight))
+        if held:
+            best = max(held, key=lambda r: (matches[r.url], -r.in_flight))
+        else:
+            best = min(candidates, key=lambda r: (self.affinity.held(r.url), r.in_flight, r.routed))
         overloaded = (best.in_flight > least.in_flight + self.balance_abs
                       and best.in_flight > least.in_flight * self.balance_rel)
         if overloaded:
             return least
-        self.prefix_routed += 1
+        self.prefix_routed += bool(held)
         return best
 
     def started(self, replica: Replica, hashes: Sequence[int]) -> None:
