@@ -1,9 +1,9 @@
 """The Ray executor on a local cluster the test starts (`ray start --head` on 127.0.0.1, 4 CPUs): two ranks
-as Ray actors generate what transformers does, greedy, in a mixed batch with chunked prefill,
-preemption, prefix-cache hits and async scheduling; an actor killed mid-generation, or while the
-engine is idle, ends the engine with an error that names it within seconds; an address nothing
-answers at, and more ranks than the cluster's CPUs can place, are one clear error at start; `tokenmill
-serve` over Ray actors answers as one rank does."""
+as Ray actors, tensor-parallel or as two pipeline stages, generate what transformers does, greedy, in
+a mixed batch with chunked prefill, preemption, prefix-cache hits and async scheduling; an actor killed
+mid-generation, or while the engine is idle, ends the engine with an error that names it within
+seconds; an address nothing answers at, and more ranks than the cluster's CPUs can place, are one clear
+error at start; `tokenmill serve` over Ray actors answers as one rank does."""
 
 from __future__ import annotations
 
@@ -59,6 +59,23 @@ def test_golden_mixed_batch(ray_address: str, model_dirs: dict[str, str]) -> Non
     finally:
         llm.shutdown()
     assert not ray.is_initialized()  # the engine's connection is closed with it
+
+
+def test_golden_pipeline_through_ray(ray_address: str, model_dirs: dict[str, str]) -> None:
+    # two stages as Ray actors: the last stage's rank answers each step, the first stage holds the
+    # embedding; two steps in flight (async scheduling), preemption and prefix-cache hits
+    model_dir = model_dirs["llama-gqa4-untied"]
+    llm = LLM(model_dir, dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray",
+              num_kv_blocks=12, block_size=16, max_model_len=96, max_num_batched_tokens=16,
+              async_scheduling=True)
+    try:
+        assert len(set(llm.engine.core.executor.pids)) == 2  # type: ignore[attr-defined]
+        assert run(llm, PROMPTS, MAX_TOKENS) == expected(model_dir, PROMPTS, MAX_TOKENS)
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        check_prefix_hits(llm, model_dir)
+    finally:
+        llm.shutdown()
+    assert not ray.is_initialized()
 
 
 @pytest.mark.parametrize("idle", [False, True])
