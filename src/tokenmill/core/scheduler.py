@@ -5,9 +5,12 @@ with a second KV tier: core/kv_tiering.py, which also loads prefix blocks the fi
 Priority classes (`Request.priority_class`): interactive requests come before batch ones in the waiting
 queue and in each step's budget; a waiting request of a higher class takes the seat and the blocks of a
 running request of a lower class (which is preempted), and under KV pressure the lowest class is
-preempted first. While a higher class has requests in the engine, the lower classes together get at most
-`lower_class_step_tokens` of a step (decode rows and prefill chunks alike), so that their work adds
-little to the higher class's step time and still makes progress every step. Within a class, vLLM's
+preempted first. While a higher class has requests in the engine, the lower classes together get
+`lower_class_step_tokens` a step on average (decode rows and prefill chunks alike), so that their work adds
+little to the higher class's step time. A pure-decode step runs on the fused decode path and any prefill
+chunk takes it off that path, so the lower classes' prefill chunks go only into steps that carry a higher
+class's prefill anyway, or, once the lower classes' unspent share has grown to `LOWER_CLASS_BURST_STEPS`
+steps' worth, into one step that spends it; their decode rows go into every step. Within a class, vLLM's
 `priority` (lower first) orders requests, then requests of different groups (batches) take turns (start-
 time fair queuing over each group's count of requests), then arrival.
 
@@ -50,6 +53,9 @@ from tokenmill.core.structured_output import NoStructuredOutput, StructuredOutpu
 logger = logging.getLogger(__name__)
 
 
+LOWER_CLASS_BURST_STEPS = 8  # the most steps' share the lower classes save up for one prefill burst
+
+
 class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.config = sched_config
@@ -73,6 +79,7 @@ class Scheduler:
         self.held: dict[str, list[int]] = {}  # finished hold_kv requests -> the tokens their kept blocks hold
         self.num_scheduled_tokens = 0  # cumulative
         self.num_blocks_copied = 0  # copy-on-write copies, cumulative
+        self._lower_credit = 0  # the lower classes' unspent share of the steps, while a higher class is present
         self.tiers: KVTiering | None = None  # the second KV tier, where one is set
         self.transfer: KVTransfer | None = None  # KV transfer between instances, where configured
 
@@ -181,6 +188,28 @@ class Scheduler:
         return (req.priority_class, 0 if req.status == RequestStatus.PREEMPTED else 1, req.priority,
                 req.fair_round, req.arrival_time)
 
+    @staticmethod
+    def _remaining(req: Request) -> int:
+        """The tokens the request has to compute to reach its end (1 for a decode row)."""
+        return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+
+    def _lower_class_share(self, top: int) -> tuple[int, bool]:
+        """The tokens the classes below `top` get in this step together, and whether they may take prefill
+        chunks in it: in a step that carries a prefill chunk of the top class anyway, or once their unspent
+        share has reached LOWER_CLASS_BURST_STEPS steps' worth (then they get all of it); else decode rows only."""
+        share = self.config.lower_class_step_tokens
+        if not any(r.priority_class > top for q in (self.running, self.waiting) for r in q):
+            self._lower_credit = 0
+            return share, True
+        self._lower_credit = min(self._lower_credit + share, LOWER_CLASS_BURST_STEPS * share)
+        top_prefill = any(r.priority_class == top and not r.spec_token_ids and self._remaining(r) > 1
+                          for r in self.running)
+        top_prefill = top_prefill or bool(self.waiting and self.waiting[0].priority_class == top
+                                          and len(self.running) < self.config.max_num_seqs)
+        if top_prefill or self._lower_credit >= LOWER_CLASS_BURST_STEPS * share:
+            return max(share, self._lower_credit), True
+        return share, False
+
     def _enqueue(self, req: Request) -> None:
         bisect.insort_right(self.waiting, req, key=self._queue_key)
 
@@ -198,10 +227,15 @@ class Scheduler:
         self.running.sort(key=lambda r: r.priority_class)  # stable: the budget goes to higher classes first
         # the highest class present (the lowest number): running is sorted by class now, waiting always is
         top = min((q[0].priority_class for q in (self.running, self.waiting) if q), default=0)
-        lower_left = self.config.lower_class_step_tokens  # the lower classes' share while `top` is present
+        lower_left, lower_prefill = self._lower_class_share(top)
+        lower_start = lower_left
 
         def allowed(req: Request) -> int:
-            return budget if req.priority_class == top else min(budget, lower_left)
+            if req.priority_class == top:
+                return budget
+            if not lower_prefill and not req.spec_token_ids and self._remaining(req) > 1:
+                return 0  # a prefill chunk would take a pure-decode step off the fused path
+            return min(budget, lower_left)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -209,8 +243,7 @@ class Scheduler:
             if req.spec_token_ids:
                 n, drafts = self._with_drafts(req, allowed(req))
             else:
-                n, drafts = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, allowed(req),
-                                self.max_model_len - req.num_computed_tokens), None
+                n, drafts = min(self._remaining(req), allowed(req), self.max_model_len - req.num_computed_tokens), None
             if n <= 0 or (req.num_output_placeholders and (not self.config.schedule_tokens_in_flight
                                                           or self._ends_with_placeholders(req)
                                                           or self._waits_for_tokens(req))):
@@ -286,6 +319,7 @@ class Scheduler:
                                                list(req.output_token_ids)))
             self._advance(req, n, sampling)
 
+        self._lower_credit = max(0, self._lower_credit - (lower_start - lower_left))
         finished, self._finished_ids = self._finished_ids, set()
         if budget < self.config.max_num_batched_tokens:
             self.num_steps += 1
