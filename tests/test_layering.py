@@ -37,3 +37,16 @@ def test_a_broken_contract_is_reported(tmp_path: os.PathLike[str]) -> None:
                 'source_modules = ["tokenmill.models"]\nforbidden_modules = ["torch"]\n')
     done = _lint_imports("--config", config)
     assert done.returncode != 0 and "BROKEN" in done.stdout
+
+
+def test_the_cli_and_the_api_process_import_no_torch() -> None:
+    # `tokenmill serve` starts the engine core first and then imports the web stack and builds the CLI's
+    # parser; torch there (1.3 s or more of import) would sit on the way to the first token, beside the
+    # engine core's own. The engine's modules bring torch in where they use it.
+    code = ("import sys, tokenmill.entrypoints.cli as c, tokenmill.entrypoints.openai.api_server, "
+            "tokenmill.entrypoints.openai.app; c.build_parser(); print(sorted(m for m in sys.modules "
+            "if m == 'torch' or m.startswith('torch.')))")
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout[:500]

@@ -6,8 +6,6 @@ import argparse
 import os
 from typing import Any
 
-from tokenmill.entrypoints.quantize import METHODS, QuantizeOptions
-
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("quantize", help="write a compressed-tensors quantized copy of a float checkpoint",
@@ -16,7 +14,9 @@ def register(subparsers: Any) -> None:
                                           "load it). Round-to-nearest, or with --calibration GPTQ (int8, "
                                           "int4) or SmoothQuant (w8a8).")
     p.add_argument("model", help="the float checkpoint's directory")
-    p.add_argument("--method", required=True, choices=METHODS,
+    # quantize.METHODS: not imported here, since that module imports torch and every `tokenmill` command
+    # builds this parser
+    p.add_argument("--method", required=True, choices=("int8", "int4", "w8a8"),
                    help="int8: W8A16 per output channel; int4: W4A16 group-wise; w8a8: int8 weights and "
                         "dynamic per-token int8 activations")
     p.add_argument("--group-size", type=int, default=128, help="int4: input columns per scale (default: 128)")
@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.quantize import quantize_checkpoint
+    from tokenmill.entrypoints.quantize import QuantizeOptions, quantize_checkpoint
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise ValueError(f"{args.model!r} has no config.json")
