@@ -106,6 +106,35 @@ def test_constrained_requests_obey_and_the_others_keep_their_tokens(llama_dir: s
     assert sorted(grammar.freed) == sorted(grammar.told) and len(grammar.told) == 6
 
 
+def test_bitmasks_filled_late_take_the_fused_lm_head(llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a step whose bitmasks are still being filled when it begins (as under async scheduling) runs the fused
+    # forward, then the lm_head and masked argmax in one call (lm_head_greedy): the same tokens as a step
+    # whose bitmasks were in at its start (one decode_greedy call)
+    from tokenmill.worker.sampling_metadata import SamplingMetadata
+
+    llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory="8MiB", async_scheduling=False)
+    fused = llm.engine.core.executor.runner.fused_decode
+    assert fused is not None
+    free = tokens(llm, False)
+    ready, _ = grammar_run(llm, False)
+    calls = {"lm_head_greedy": 0, "decode_greedy": 0}
+    ops = fused.ops
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            if name in calls:
+                calls[name] += 1
+            return getattr(ops, name)
+
+    monkeypatch.setattr(fused, "ops", Counting())
+    monkeypatch.setattr(SamplingMetadata, "bitmask_ready", property(lambda self: self.bitmask_pending is None
+                                                                    and self.bitmask is None))
+    late, _ = grammar_run(llm, False)
+    check(free, late)
+    assert late == ready
+    assert calls["lm_head_greedy"] > 0 and calls["decode_greedy"] == 0, calls
+
+
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_bitmasks_with_draft_tokens(llama_dir: str, seeded: bool) -> None:
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", async_scheduling=False)

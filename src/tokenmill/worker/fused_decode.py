@@ -173,3 +173,11 @@ class FusedDecode:
         ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
                                                    *self._lm_head, bitmask)
         return ids
+
+    def greedy_from_hidden(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """What greedy gives, from forward's hidden states: the lm_head and argmax in one call (for a step whose
+        bitmasks were still being filled when it began), or None where the lm_head is not packed."""
+        if self._lm_head is None:
+            return None
+        ids: torch.Tensor = self.ops.lm_head_greedy(hidden, *self._lm_head, bitmask)
+        return ids

@@ -376,6 +376,16 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
   return ops().argmax_rows.call(logits);
 }
 
+// the final hidden states of a pure-decode step [T, hidden] -> each row's greedy token [T] (int64): lm_head and
+// argmax (over the tokens each row's bitmask allows, where one is given), as decode_greedy ends; for a step
+// whose bitmasks were still being filled when it began, so that decode_layers ran first
+at::Tensor lm_head_greedy(const at::Tensor& x, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
+                          bool lm_head_gemv, int64_t lm_head_ptr, const OptTensor& bitmask) {
+  const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
+  if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
+  return ops().argmax_rows.call(logits);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
@@ -390,14 +400,18 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "bool gemv, Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, "
         "Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor, "
         "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? bitmask=None) -> Tensor");
+  m.def("lm_head_greedy(Tensor x, Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, "
+        "Tensor? bitmask=None) -> Tensor");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers_op);
   m.impl("decode_greedy", &decode_greedy);
+  m.impl("lm_head_greedy", &lm_head_greedy);
 }
 TORCH_LIBRARY_IMPL(tokenmill_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers_op);
   m.impl("decode_greedy", &decode_greedy);
+  m.impl("lm_head_greedy", &lm_head_greedy);
 }
