@@ -115,8 +115,10 @@ def test_a_dead_replica_ends_its_requests_and_the_other_serves(llama_dir: str) -
         pids = replica_pids(srv)
         with ThreadPoolExecutor(6) as pool, srv.client() as http:
             started = threading.Event()
-            streams = [pool.submit(stream_lines, srv, LONG, started=started.set) for _ in range(6)]
+            opened = [threading.Event() for _ in range(6)]  # every stream in the engine before the kill
+            streams = [pool.submit(stream_lines, srv, LONG, opened=o, started=started.set) for o in opened]
             assert started.wait(30), "no stream started"
+            assert all(o.wait(30) for o in opened), "not every stream was accepted"
             os.kill(pids[0], signal.SIGKILL)
             results = [s.result(30) for s in streams]
             failed = [lines for lines in results if "error" in lines[-2]]
