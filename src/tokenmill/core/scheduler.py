@@ -31,6 +31,7 @@ request whose prompt is computed, the producer's first token appended.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from collections.abc import Iterable
 
@@ -198,16 +199,17 @@ class Scheduler:
         chunks in it: in a step that carries a prefill chunk of the top class anyway, or once their unspent
         share has reached LOWER_CLASS_BURST_STEPS steps' worth (then they get all of it); else decode rows only."""
         share = self.config.lower_class_step_tokens
-        if not any(r.priority_class > top for q in (self.running, self.waiting) for r in q):
+        # running (sorted by class at the step's start) and waiting keep their lowest class last
+        if max((q[-1].priority_class for q in (self.running, self.waiting) if q), default=top) == top:
             self._lower_credit = 0
             return share, True
-        self._lower_credit = min(self._lower_credit + share, LOWER_CLASS_BURST_STEPS * share)
-        top_prefill = any(r.priority_class == top and not r.spec_token_ids and self._remaining(r) > 1
-                          for r in self.running)
+        self._lower_credit = min(self._lower_credit + share, LOWER_CLASS_BURST_STEPS * share)  # >= share
+        top_prefill = any(not r.spec_token_ids and self._remaining(r) > 1
+                          for r in itertools.takewhile(lambda r: r.priority_class == top, self.running))
         top_prefill = top_prefill or bool(self.waiting and self.waiting[0].priority_class == top
                                           and len(self.running) < self.config.max_num_seqs)
         if top_prefill or self._lower_credit >= LOWER_CLASS_BURST_STEPS * share:
-            return max(share, self._lower_credit), True
+            return self._lower_credit, True
         return share, False
 
     def _enqueue(self, req: Request) -> None:
