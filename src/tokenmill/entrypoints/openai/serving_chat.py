@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -49,6 +49,7 @@ from tokenmill.entrypoints.openai.serving_tools import (
     plan_tools,
     template_takes_tools,
 )
+from tokenmill.entrypoints.streaming import AbortingStreamingResponse
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
 
 
@@ -77,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = self.submit([prompt], [params], ids.engine_id, req.priority, raw, transfer)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
-            return StreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams, plan,
+            return AbortingStreamingResponse(sse_stream(self._stream(ids.response_id, req, prompt, streams, plan,
                                                              prediction)),
                                      media_type="text/event-stream", headers=headers)
         [final] = await self.guard(raw, collect_final(streams))

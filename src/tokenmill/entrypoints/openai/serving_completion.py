@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,6 +33,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     prompt_logprobs_json,
     sse_stream,
 )
+from tokenmill.entrypoints.streaming import AbortingStreamingResponse
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -57,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         view = _ChoiceBuilder(self, req, prompts, echo_only)
         headers = {REQUEST_ID_HEADER: ids.header}
         if req.stream:
-            return StreamingResponse(sse_stream(self._stream(ids.response_id, view, streams)),
+            return AbortingStreamingResponse(sse_stream(self._stream(ids.response_id, view, streams)),
                                      media_type="text/event-stream", headers=headers)
         finals = await self.guard(raw, collect_final(streams))
         choices = [view.choice(i, comp, final) for i, final in enumerate(finals) for comp in final.outputs]

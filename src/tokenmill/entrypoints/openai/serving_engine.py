@@ -335,11 +335,7 @@ async def merge_streams(streams: list[RequestStream],
     try:
         remaining = len(streams)
         while remaining:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                i, item = await asyncio.wait_for(queue.get(), wait)
-            except asyncio.TimeoutError:
-                raise timed_out(timeout) from None
+            i, item = await _next_or_timeout(queue, deadline, timeout)
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -351,6 +347,22 @@ async def merge_streams(streams: list[RequestStream],
             t.cancel()
         for s in streams:
             s.abort()
+
+
+async def _next_or_timeout(queue: asyncio.Queue[T], deadline: float | None, timeout: float | None) -> T:
+    """The queue's next item, else the request's timeout error at `deadline` (time.monotonic()). Not
+    asyncio.wait_for: before Python 3.12 it drops a cancellation that lands as the item arrives, and a
+    stream fed on every loop turn then runs on after its client left."""
+    if not queue.empty():
+        return queue.get_nowait()
+    get = asyncio.ensure_future(queue.get())
+    try:
+        done, _ = await asyncio.wait({get}, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    finally:
+        get.cancel()
+    if not done:
+        raise timed_out(timeout)
+    return get.result()
 
 
 async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:

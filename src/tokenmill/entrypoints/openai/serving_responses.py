@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -56,6 +56,7 @@ from tokenmill.entrypoints.openai.tool_protocol import (
     ToolCallFunction,
     ToolCallRequest,
 )
+from tokenmill.entrypoints.streaming import AbortingStreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +363,7 @@ class OpenAIServingResponses(OpenAIServing):
             raise
         streams = self.submit([job.prompt], [params], job.skeleton.id)
         if req.stream:
-            return StreamingResponse(self._events(job, streams), media_type="text/event-stream")
+            return AbortingStreamingResponse(self._events(job, streams), media_type="text/event-stream")
         [final] = await self.guard(raw, collect_final(streams))
         comp = final.outputs[0]
         response = self._finish(job, comp.text, len(comp.token_ids), comp.finish_reason, final.num_cached_tokens)

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -26,6 +26,7 @@ from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_e
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
 from tokenmill.entrypoints.router.affinity import prefix_hashes
 from tokenmill.entrypoints.router.pool import Replica, ReplicaPool
+from tokenmill.entrypoints.streaming import AbortingStreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class Router:
                 self.pool.finished(replica)
                 await response.aclose()
 
-        return StreamingResponse(chunks(), status_code=response.status_code, headers=headers,
+        return AbortingStreamingResponse(chunks(), status_code=response.status_code, headers=headers,
                                  media_type=response.headers.get("content-type"))
 
 
