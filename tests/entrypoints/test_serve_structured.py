@@ -6,6 +6,8 @@ LangChain's bind_tools / with_structured_output work unmodified."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -236,3 +238,27 @@ def test_responses_with_text_format_and_tools(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="text.format cannot be combined") as err:
         client.responses.create(model=NAME, input="x", tools=tools, tool_choice="required", text=fmt)
     assert err.value.status_code == 400 and err.value.body["param"] == "text"  # type: ignore[index]
+
+
+def torch_loaded(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the API process's mappings from /proc")
+def test_the_api_process_loads_the_grammar_library_after_its_first_answer(llama_dir: str) -> None:
+    # its 2 s import (torch with it) stays off the way to the first token, and off the event loop
+    srv = RemoteServer(llama_dir, "--served-model-name", NAME)
+    try:
+        assert not torch_loaded(srv.proc.pid)
+        r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 60
+        while not torch_loaded(srv.proc.pid):
+            assert time.monotonic() < deadline, "the grammar library never loaded"
+            time.sleep(0.1)
+        r = post(srv, "/v1/chat/completions", {"messages": MSG, "max_tokens": 40,
+                                               "response_format": {"type": "json_object"}})
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() is not None

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tokenmill.core.messages import SchedulerStats
 from tokenmill.core.request import Request
@@ -37,6 +36,14 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
+
+
+def _tensor(rows: np.ndarray) -> Any:
+    """The int32 array as the torch tensor xgrammar fills (torch is imported here, not at module import:
+    the API process imports this module with the engine's and never fills a bitmask)."""
+    import torch
+
+    return torch.from_numpy(rows)
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
 
 
@@ -167,7 +174,7 @@ class XGrammarBackend:
 
                     self._batch = xgr.BatchGrammarMatcher(max_threads=1)
                 self._batch.batch_fill_next_token_bitmask([live[k][1].matcher for k in fresh],
-                                                          torch.from_numpy(rows), fresh)
+                                                          _tensor(rows), fresh)
             for k, (rid, st) in enumerate(live):
                 if st.next_mask is not None:
                     rows[k] = st.next_mask
@@ -188,14 +195,14 @@ class XGrammarBackend:
         if state.next_mask is not None:
             rows[0] = state.next_mask
         else:
-            state.matcher.fill_next_token_bitmask(torch.from_numpy(rows), 0)
+            state.matcher.fill_next_token_bitmask(_tensor(rows), 0)
         taken = 0
         for j, tok in enumerate(drafts):
             if state.matcher.is_terminated() or not state.matcher.accept_token(tok):
                 rows[j + 1:] = rows[j]
                 break
             taken += 1
-            state.matcher.fill_next_token_bitmask(torch.from_numpy(rows), j + 1)
+            state.matcher.fill_next_token_bitmask(_tensor(rows), j + 1)
         if taken:
             state.matcher.rollback(taken)
         return rows
@@ -226,7 +233,7 @@ class XGrammarBackend:
             return False
         # at an end state: the request ends here when nothing but a stop token may follow
         mask = np.empty((1, self.words), np.int32)
-        matcher.fill_next_token_bitmask(torch.from_numpy(mask), 0)
+        matcher.fill_next_token_bitmask(_tensor(mask), 0)
         state.next_mask = mask[0]
         return not np.any(mask[0] & ~state.stop_mask)
 

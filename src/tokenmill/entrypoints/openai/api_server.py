@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import importlib
 import logging
 import os
 import signal
@@ -130,14 +129,12 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
                             max_sequences_per_request(args, engine.config.scheduler.max_num_seqs),
                             tool_call_parser=getattr(args, "tool_call_parser", None),
                             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
-        # the grammar library (structured output) checks constraints here: loaded beside serving, not by the
-        # first request that has one
-        asyncio.get_running_loop().run_in_executor(None, importlib.import_module, "xgrammar")
         observability.apply(engine, args)
         pids = getattr(engine.client, "pids", None)  # data parallelism: a core process per replica
         if pids is not None:
             engine.metrics.registry.register(engine.client.collector())  # type: ignore[attr-defined]
         lifecycle = ServerLifecycle(engine, args.shutdown_timeout)
+        lifecycle.after_first_answer = ctx.grammar.load
         batch_config = config_from_args(args)
         batches = serving_batch.open_runner(batch_config)
         app = lifecycle.wrap(build_app(ctx, args.api_key, args.max_request_bytes, batches, batch_config,

@@ -56,6 +56,7 @@ from tokenmill.outputs import CompletionOutput, PositionLogprobs
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(req, 1)
+        await self.constraints_ready(req)
         ids = self.request_ids(raw, req, "chatcmpl")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")

@@ -41,6 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         items = _prompt_items(req.prompt)
         self.check_request(req, len(items))
+        await self.constraints_ready(req)
         ids = self.request_ids(raw, req, "cmpl")
         prompts = [self.tokenize(p, req.add_special_tokens, truncate=req.truncate_prompt_tokens) for p in items]
         echo_only = req.max_tokens == 0

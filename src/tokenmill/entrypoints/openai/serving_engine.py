@@ -22,10 +22,11 @@ from tokenmill.core.request import PriorityClass
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from tokenmill.engine.input_processor import KVSharing, ProcessedPrompt, resolve_max_tokens
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
+from tokenmill.entrypoints.openai.grammar_library import GrammarLibrary
 from tokenmill.entrypoints.openai.middleware import BATCH_SCOPE_KEY
 from tokenmill.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from tokenmill.entrypoints.openai.request_types import IGNORED_FIELDS, REQUEST_ID_PATTERN
-from tokenmill.entrypoints.openai.serving_tools import structured_outputs_of
+from tokenmill.entrypoints.openai.serving_tools import STRUCTURED_OUTPUT_FIELDS, structured_outputs_of
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -48,6 +49,12 @@ class ServerContext:
     warned_fields: set[str] = field(default_factory=set)  # ignored request fields already logged
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    grammar: GrammarLibrary = field(default_factory=GrammarLibrary)
+
+
+# request fields that can carry a constraint the API process checks with the grammar library: the
+# structured-output fields, tools (required or named tool_choice) and the Responses API's text format
+CONSTRAINT_FIELDS = (*STRUCTURED_OUTPUT_FIELDS, "tools", "text")
 
 
 def engine_dead(error: EngineDeadError) -> APIError:
@@ -75,6 +82,12 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.ctx.model_name and name not in self.ctx.model_aliases:
             raise APIError("model_not_found", f"The model `{name}` does not exist.", "model")
+
+    async def constraints_ready(self, req: Any) -> None:
+        """Waits for the grammar library when the request may carry a constraint (a structured-output
+        field or tools), so that checking it does not import the library on the event loop."""
+        if any(getattr(req, name, None) is not None for name in CONSTRAINT_FIELDS):
+            await self.ctx.grammar.ready()
 
     def check_request(self, req: SamplingRequest, num_prompts: int) -> None:
         """What every generate request checks first: the model, the fan-out, fields that do not apply."""

@@ -344,6 +344,7 @@ class OpenAIServingResponses(OpenAIServing):
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        await self.constraints_ready(req)
         job = self._prepare(req)
         max_tokens = self.max_tokens(len(job.prompt.prompt_token_ids), req.max_output_tokens, "max_output_tokens")
         fmt = req.text.format if req.text is not None else None

@@ -33,7 +33,7 @@ from tokenmill.entrypoints.openai.tool_protocol import (
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.grammar import check_structured_outputs
 
-_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
 
 
@@ -64,8 +64,8 @@ def structured_outputs_of(req: SamplingRequest) -> tuple[StructuredOutputsParams
             except ValueError as e:
                 raise bad_request(str(e), name) from None
     if len(found) > 1:
-        raise bad_request(f"give at most one of {', '.join(_CONSTRAINT_FIELDS)}; got {', '.join(n for n, _ in found)}",
-                          found[1][0])
+        given = ", ".join(n for n, _ in found)
+        raise bad_request(f"give at most one of {', '.join(STRUCTURED_OUTPUT_FIELDS)}; got {given}", found[1][0])
     if not found:
         return None, None
     name, params = found[0]
