@@ -134,7 +134,6 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs, chat_tem
         if pids is not None:
             engine.metrics.registry.register(engine.client.collector())  # type: ignore[attr-defined]
         lifecycle = ServerLifecycle(engine, args.shutdown_timeout)
-        lifecycle.after_first_answer = ctx.grammar.load
         batch_config = config_from_args(args)
         batches = serving_batch.open_runner(batch_config)
         app = lifecycle.wrap(build_app(ctx, args.api_key, args.max_request_bytes, batches, batch_config,

@@ -1,8 +1,9 @@
 """xgrammar in the API process, where it checks requests' constraints before they reach the engine
-(structured/grammar.py). Its import takes about 2 s here (torch comes with it), so it never runs on the
-event loop and never at start-up, where it would compete with the engine core's start and the first
-requests: it loads on a worker thread once the server has answered its first request, or at the first
-request that carries a constraint, which waits for it."""
+(structured/grammar.py). It loads at the first request that carries a constraint, which waits for it, on a
+worker thread, not on the event loop. Its import takes about 2 s here (torch comes with it) and holds the
+GIL for long stretches: at start-up it would compete with the engine core's start and the first requests,
+and in the background beside serving it delays every stream's tokens and aborts while it runs, so a
+server whose requests carry no constraint never loads it."""
 
 from __future__ import annotations
 

@@ -41,7 +41,6 @@ class ServerLifecycle:
         self.exit_code = EXIT_OK
         self.refusal: str | None = None  # why new requests get 503, once the server is stopping
         self.in_flight = 0
-        self.after_first_answer: Callable[[], object] | None = None  # called once, when the first request ends
         metrics = engine.metrics
         Gauge("tokenmill:http_requests_in_flight", "HTTP requests being answered (/metrics scrapes not counted).",
               ["model_name"], registry=metrics.registry).labels(metrics.model_name).set_function(
@@ -118,9 +117,6 @@ class ServerLifecycle:
 
     def leave(self) -> None:
         self.in_flight -= 1
-        if self.after_first_answer is not None:
-            callback, self.after_first_answer = self.after_first_answer, None
-            callback()
         if self.in_flight == 0:
             self._idle.set()
 
