@@ -69,6 +69,22 @@ def test_a_request_is_ready_once_its_grammar_is_compiled_in_the_pool(tokenizer: 
     b.shutdown()
 
 
+def test_prepare_loads_the_tokenizer_once_in_the_pool_before_any_compilation(tokenizer: Any) -> None:
+    loads: list[int] = []
+
+    def load() -> Any:
+        loads.append(1)
+        return tokenizer
+
+    b = XGrammarBackend(load, VOCAB)
+    compiler = b.prepare().result(timeout=60)
+    assert loads == [1] and b.num_compiles == 0  # nothing compiled yet
+    req = request("a", regex="[0-9]+")
+    ready(b, req)
+    assert b._compiler is compiler and loads == [1]  # the compilation reuses it
+    b.shutdown()
+
+
 def test_a_grammar_that_cannot_be_built_is_a_value_error(tokenizer: Any) -> None:
     b = backend(tokenizer)
     req = request("bad", grammar="root ::= nothing")

@@ -245,6 +245,9 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))
 
+    async def prepare_structured_output(self) -> None:
+        await self.client.call_utility("prepare_structured_output")
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -303,3 +303,9 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
+
+    def prepare_structured_output(self) -> None:
+        """Starts loading the grammar backend's library and tokenizer off the step loop (the front end asks
+        when its first constrained request arrives, so both processes load at once)."""
+        if isinstance(self.scheduler.structured_output, XGrammarBackend):
+            self.scheduler.structured_output.prepare()

@@ -20,7 +20,7 @@ ADD, ABORT, UTILITY, SHUTDOWN = b"A", b"X", b"U", b"S"
 OUTPUTS, UTILITY_RESULT, READY, FAILED = b"O", b"R", b"Y", b"F"
 
 # the EngineCore methods a UTILITY message may call (no arguments)
-UTILITY_METHODS = ("reset_prefix_cache",)
+UTILITY_METHODS = ("reset_prefix_cache", "prepare_structured_output")
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

@@ -98,15 +98,22 @@ class XGrammarBackend:
             self._compiled.popitem(last=False)
         return future
 
-    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
-        start = time.perf_counter()
-        if self._compiler is None:
+    def prepare(self) -> Future[xgr.GrammarCompiler]:
+        """Loads xgrammar and the tokenizer in the pool ahead of the first compilation."""
+        return self._pool.submit(self._grammar_compiler)
+
+    def _grammar_compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:  # (only the pool's one thread runs this)
             import xgrammar as xgr
 
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
         try:
-            compiled = self._compiler.compile_grammar(build_grammar(key))
+            compiled = self._grammar_compiler().compile_grammar(build_grammar(key))
         finally:
             seconds = time.perf_counter() - start
             self.num_compiles += 1  # the pool's one thread writes these; the step loop reads them

@@ -87,7 +87,7 @@ class OpenAIServing:
         """Waits for the grammar library when the request may carry a constraint (a structured-output
         field or tools), so that checking it does not import the library on the event loop."""
         if any(getattr(req, name, None) is not None for name in CONSTRAINT_FIELDS):
-            await self.ctx.grammar.ready()
+            await self.ctx.grammar.ready(self.engine.prepare_structured_output)
 
     def check_request(self, req: SamplingRequest, num_prompts: int) -> None:
         """What every generate request checks first: the model, the fan-out, fields that do not apply."""
