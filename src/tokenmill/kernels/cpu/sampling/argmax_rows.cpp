@@ -76,6 +76,7 @@ at::Tensor argmax_rows_masked(const at::Tensor& x, const at::Tensor& bitmask) {
   constexpr int16_t kNaN = std::numeric_limits<int16_t>::min();
   const int16_t kNegInf = argmax_key(0xff80);
   const int64_t n_words = std::min(words, (v + 31) / 32);
+  static constexpr uint16_t kLane[16] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = xp + r * v;
@@ -87,14 +88,23 @@ at::Tensor argmax_rows_masked(const at::Tensor& x, const at::Tensor& bitmask) {
         if (bits == 0) continue;
         const int64_t base = w * 32;
         if (first_allowed < 0 && base + __builtin_ctz(bits) < v) first_allowed = base + __builtin_ctz(bits);
-        if (bits == 0xffffffffu && base + 32 <= v) {
+        if (base + 32 <= v) {  // the word's 32 tokens at once
           int16_t m = kNaN;
+          if (bits == 0xffffffffu) {
 #pragma omp simd reduction(max : m)
-          for (int64_t i = 0; i < 32; ++i) m = std::max(m, argmax_key(row[base + i]));
-          if (m > best) {
+            for (int64_t i = 0; i < 32; ++i) m = std::max(m, argmax_key(row[base + i]));
+          } else {  // a disallowed token's key is below every allowed one's; each half-word's bits as 16 lanes
+            const uint16_t lo = static_cast<uint16_t>(bits), hi = static_cast<uint16_t>(bits >> 16);
+#pragma omp simd reduction(max : m)
+            for (int64_t i = 0; i < 16; ++i) m = std::max(m, (lo & kLane[i]) ? argmax_key(row[base + i]) : kNaN);
+#pragma omp simd reduction(max : m)
+            for (int64_t i = 0; i < 16; ++i)
+              m = std::max(m, (hi & kLane[i]) ? argmax_key(row[base + 16 + i]) : kNaN);
+          }
+          if (m > best) {  // the first allowed token whose key is m is the row's argmax so far
             best = m;
             at = base;
-            while (argmax_key(row[at]) != m) ++at;
+            while (!((bits >> (at - base)) & 1u) || argmax_key(row[at]) != m) ++at;
           }
           continue;
         }
