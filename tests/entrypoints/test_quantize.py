@@ -113,3 +113,13 @@ def test_quantize_refuses_bad_input(model_dirs: dict[str, str], tmp_path: os.Pat
     assert "group size 48" in capsys.readouterr().err
     assert main(["quantize", src, "--method", "int8", "--calibration", "/nonexistent", "--out", str(tmp_path)]) == 2
     assert "calibration" in capsys.readouterr().err
+
+
+def test_the_cli_offers_the_methods_quantize_has() -> None:
+    # the parser lists them itself (quantize imports torch, and every command builds the parser)
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.quantize import METHODS
+
+    sub = next(a for a in build_parser()._actions if a.choices and "quantize" in a.choices)
+    method = next(a for a in sub.choices["quantize"]._actions if a.dest == "method")
+    assert tuple(method.choices) == METHODS

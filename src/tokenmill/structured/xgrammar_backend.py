@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
+DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
 
 
 def _tensor(rows: np.ndarray) -> Any:
@@ -44,7 +45,6 @@ def _tensor(rows: np.ndarray) -> Any:
     import torch
 
     return torch.from_numpy(rows)
-DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
 
 
 @dataclass

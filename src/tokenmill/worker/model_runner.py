@@ -210,22 +210,22 @@ class ModelRunner:
         if graphs is not None and rows is None and graphs.applies(meta, len(step.input_ids)):
             hidden = graphs.run(input_ids, positions, meta)
         elif fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
-            all_greedy = sampling is not None and (greedy and len(step.logits_indices) == len(step.input_ids)
-                                                   and not step.prompt_lp_rows and not keep_hidden)
+            # every row of the step greedy (over its bitmask's tokens): the fused calls give its tokens
+            argmax = sampling if (greedy and len(step.logits_indices) == len(step.input_ids)
+                                  and not step.prompt_lp_rows and not keep_hidden) else None
             ids = None
-            if all_greedy and sampling is not None and sampling.bitmask_ready:
-                sampling.await_bitmask()
-                ids = fused.greedy(input_ids, positions, meta, sampling.bitmask)  # the whole step in one call
+            if argmax is not None and argmax.bitmask_ready:
+                argmax.await_bitmask()
+                ids = fused.greedy(input_ids, positions, meta, argmax.bitmask)  # the whole step in one call
             if ids is None:
                 hidden = fused.forward(input_ids, positions, meta)
-                if all_greedy and sampling is not None:
+                if argmax is not None:
                     # bitmasks still being filled when the step began: the forward first, then the lm_head and
                     # argmax in one call once they are in
-                    sampling.await_bitmask()
-                    ids = fused.greedy_from_hidden(hidden, sampling.bitmask)
-            if ids is not None:  # each row's token
-                assert sampling is not None
-                self._record(step, out, self.sampler.from_argmax(ids.tolist(), sampling))
+                    argmax.await_bitmask()
+                    ids = fused.greedy_from_hidden(hidden, argmax.bitmask)
+            if ids is not None and argmax is not None:  # each row's token
+                self._record(step, out, self.sampler.from_argmax(ids.tolist(), argmax))
                 return out
         elif self.pp.size > 1:
             stage_hidden = self._stage_forward(input_ids, positions, meta, rows)

@@ -342,6 +342,16 @@ at::Tensor decode_layers_op(const at::Tensor& h_in, const at::Tensor& positions,
                        Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
 }
 
+// the final hidden states of a pure-decode step [T, hidden] -> each row's greedy token [T] (int64): lm_head and
+// argmax (over the tokens each row's bitmask allows, where one is given); decode_greedy ends with it, and a step
+// whose bitmasks were still being filled when it began calls it alone after decode_layers
+at::Tensor lm_head_greedy(const at::Tensor& x, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
+                          bool lm_head_gemv, int64_t lm_head_ptr, const OptTensor& bitmask) {
+  const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
+  if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
+  return ops().argmax_rows.call(logits);
+}
+
 // input_ids [T] (int64) -> each row's greedy token [T] (int64): embedding, decode_layers, lm_head, argmax
 // (over the tokens each row's bitmask allows, where one is given: structured output)
 at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
@@ -371,19 +381,7 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
                                      scale, window, gemv, quant, linear_kinds, kv_scales, experts,
                                      Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
-  const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
-  if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
-  return ops().argmax_rows.call(logits);
-}
-
-// the final hidden states of a pure-decode step [T, hidden] -> each row's greedy token [T] (int64): lm_head and
-// argmax (over the tokens each row's bitmask allows, where one is given), as decode_greedy ends; for a step
-// whose bitmasks were still being filled when it began, so that decode_layers ran first
-at::Tensor lm_head_greedy(const at::Tensor& x, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
-                          bool lm_head_gemv, int64_t lm_head_ptr, const OptTensor& bitmask) {
-  const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
-  if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
-  return ops().argmax_rows.call(logits);
+  return lm_head_greedy(x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr, bitmask);
 }
 
 }  // namespace
