@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU path's checks and targets (issue #26) in one run on a CUDA machine, with no network; about 7 minutes
-# on an H100/H200 (every step's limit together: 9.5). Run from the repository root:
+# The GPU path's checks and targets (issue #26) in one run on a CUDA machine, with no network; under 8 minutes
+# on an H100/H200. Run from the repository root:
 #
 #     OUT=/some/dir tools/gpu_check.sh            # results in $OUT (default: /tmp/gpu_check)
 #
@@ -8,23 +8,29 @@
 # the machine lacks (tokenmill needs msgspec and platformdirs there) are installed from .whl/ if present (tools/gpu_wheels.sh
 # downloads them on a machine with PyPI, transformers among them so that the golden tests compare with the
 # version tokenmill is tested against here). GPU_CHECK_SKIP="hf_256 ..." skips steps by name, GPU_CHECK_TESTS
-# replaces the pytest step's test list. Steps, each under its own time limit; every result is one line of
-# $OUT/results.jsonl named by its step ("result"), every step's output goes to $OUT/gpu_check.log, and
-# $OUT/summary.txt lists each step's exit status and time (a step that fails or times out, the rest go on):
-#   pytest                 the Triton kernels on the GPU, the CUDA-graph logic, the golden tests of every family
-#                          with the triton backend, CUDA graphs on and off, the SDPA backend's (also junit.xml)
-#   build_model            a random 1.1B Llama (TinyLlama's shape, bf16), built locally
+# replaces the golden step's test list, GPU_CHECK_KERNELS the kernels step's, GPU_CHECK_DEADLINE (seconds, 470) is
+# when the run ends: each step's limit is cut to the time left, and a step with under 10 s left is skipped. Every
+# result is one line of $OUT/results.jsonl named by its step ("result"), every step's output goes to
+# $OUT/gpu_check.log, and $OUT/summary.txt lists each step's exit status and time (a step that fails or times
+# out, the rest go on; only the gate stops the run). Steps, most wanted first:
+#   gate                   a short generation on the demo model, triton backend with CUDA graphs
+#   build_model            a random 1.1B Llama (TinyLlama's shape, bf16), built on the CPU during the golden step
+#   golden                 the golden tests of every family with the triton backend, CUDA graphs on and off, the
+#                          CUDA-graph logic, the SDPA backend's (junit_golden.xml)
 #   roofline               the device's copy bandwidth (mem_copy_GBps) and bf16 matmul rate (8192^3)
-#   latency_b1_*           batch-1 decode, MBU against that copy bandwidth: triton + graphs; SDPA eager (before)
-#   throughput_256, hf_256 offline 256 requests (32:512 in, 32:256 out): tokenmill vs HF generate (batch 64, 256)
+#   latency_b1_triton      batch-1 decode, MBU against that copy bandwidth: triton + graphs
+#   throughput_256, hf_256 offline 256 requests (32:512 in, 32:256 out): tokenmill vs HF generate (batch 256, 64)
 #   throughput_b256_p1000  batch 256 with 1,000-token prompts: tokens/s and MFU
 #   prefill_8k             8 x 1,024-token prompts in one 8k-token step: prefill MFU
+#   latency_b1_sdpa_eager  batch-1 decode before: SDPA backend, eager
 #   step_split_*           per decode step, GPU-kernel time vs idle gaps (torch profiler): before and after
+#   kernels                the Triton kernels' tests on the GPU (junit_kernels.xml)
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 MODEL=${GPU_CHECK_MODEL:-/tmp/gpu_check_llama_1.1b}
+DEADLINE=${GPU_CHECK_DEADLINE:-470}  # seconds from the start: later steps' limits are cut to end by then
 SUMMARY="$OUT/summary.txt" LOG="$OUT/gpu_check.log" RESULTS="$OUT/results.jsonl"
 : > "$SUMMARY"
 : > "$LOG"
@@ -36,14 +42,18 @@ fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 TM=("$PY" -c 'import sys; from tokenmill.entrypoints.cli import main; sys.exit(main())')
 
-step() {  # step NAME SECONDS CMD...: CMD under a time limit, its output to the log, its status to the summary
-    local name=$1 limit=$2 t0=$SECONDS rc
+step() {  # step NAME SECONDS CMD...: CMD under a time limit (cut to what DEADLINE leaves), its output to the
+          # log, its status to the summary and to LAST_RC
+    local name=$1 limit=$2 t0=$SECONDS left=$((DEADLINE - SECONDS))
     shift 2
+    LAST_RC=skipped
     case " ${GPU_CHECK_SKIP:-} " in *" $name "*) echo "$name skipped" | tee -a "$SUMMARY"; return;; esac
+    [ "$left" -lt 10 ] && { echo "$name skipped (deadline)" | tee -a "$SUMMARY"; return; }
+    [ "$limit" -gt "$left" ] && limit=$left
     echo "=== $name: $*" >> "$LOG"
     timeout "$limit" "$@" >> "$LOG" 2>&1
-    rc=$?
-    echo "$name rc=$rc took=$((SECONDS - t0))s at=${SECONDS}s" | tee -a "$SUMMARY"
+    LAST_RC=$?
+    echo "$name rc=$LAST_RC took=$((SECONDS - t0))s at=${SECONDS}s" | tee -a "$SUMMARY"
 }
 result() {  # result NAME: the options that make a bench command append its JSON line to results.jsonl
     echo --output-jsonl "$RESULTS" --result-name "$1"
@@ -53,12 +63,27 @@ result() {  # result NAME: the options that make a bench command append its JSON
 print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' \
     | tee -a "$SUMMARY" || exit 1
 
-TESTS=${GPU_CHECK_TESTS:-tests/kernels/triton tests/worker/test_cuda_graphs.py tests/attention/test_backends.py \
-tests/models/test_golden.py::test_cuda_triton tests/models/test_golden.py::test_triton_backend}
-# shellcheck disable=SC2086  # (a list of test paths)
-step pytest 110 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit.xml" $TESTS
+# the gate: one short generation through the triton backend with CUDA graphs, on the shipped demo model; if
+# that fails, every later step would too, so the run ends here (and holds the device no longer)
+step gate 60 "$PY" -c 'from tokenmill import LLM, SamplingParams
+llm = LLM("models/tokenmill-demo", device="cuda", dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=8)
+out = llm.generate(["The cat sat on the mat.", "Once upon a time"], SamplingParams(temperature=0.0, max_tokens=16),
+                   use_tqdm=False)
+print([o.outputs[0].text for o in out], "graphs:", llm.engine.core.executor.worker.model_runner.graphs is not None)'
+[ "$LAST_RC" = 0 ] || { echo "gate failed: stopping" | tee -a "$SUMMARY"; exit 1; }
 
-[ -f "$MODEL/config.json" ] || step build_model 60 "$PY" tools/build_random_model.py llama-1.1b "$MODEL"
+# the 1.1B model builds on the CPU while the golden tests run
+if [ ! -f "$MODEL/config.json" ]; then
+    ( t0=$SECONDS; timeout 150 "$PY" tools/build_random_model.py llama-1.1b "$MODEL" > "$OUT/build_model.log" 2>&1
+      echo "build_model rc=$? took=$((SECONDS - t0))s (in the background)" >> "$SUMMARY" ) &
+    BUILD=$!
+fi
+
+GOLDEN=${GPU_CHECK_GOLDEN:-tests/models/test_golden.py::test_cuda_triton tests/models/test_golden.py::test_triton_backend \
+tests/worker/test_cuda_graphs.py tests/attention/test_backends.py}
+# shellcheck disable=SC2086  # (a list of test paths)
+step golden 150 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit_golden.xml" $GOLDEN
+[ -n "${BUILD:-}" ] && wait "$BUILD"
 
 step roofline 30 "${TM[@]}" bench roofline --device cuda --gib 4 --n 8192 --no-cache $(result roofline)
 read -r COPY FLOPS < <("$PY" -c "import json
@@ -67,21 +92,22 @@ print(r['mem_copy_GBps'], r['matmul_bf16_gflops'])")
 echo "copy_GBps=$COPY bf16_gflops=$FLOPS" | tee -a "$SUMMARY"
 BENCH=(--model "$MODEL" --bandwidth "$COPY" --flops "$FLOPS" --device cuda --dtype bfloat16 --kv-cache-memory 16GiB)
 
-step latency_b1_triton 40 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 256 \
+step latency_b1_triton 45 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 256 \
     --runs 3 $(result latency_b1_triton)
-step latency_b1_sdpa_eager 40 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 \
-    --output-len 256 --runs 3 --attention-backend cuda --enforce-eager $(result latency_b1_sdpa_eager)
-
 step throughput_256 60 "${TM[@]}" bench throughput "${BENCH[@]}" --num-prompts 256 --input-len 32:512 \
     --output-len 32:256 --runs 2 $(result throughput_256)
-step hf_256 60 sh -c "'$PY' tools/gpu_bench.py hf '$MODEL' --batch-sizes 64,256 >> '$RESULTS'"
-
-step throughput_b256_p1000 60 "${TM[@]}" bench throughput "${BENCH[@]}" --num-prompts 256 --input-len 1000 \
+step hf_256 80 sh -c "'$PY' tools/gpu_bench.py hf '$MODEL' --batch-sizes 256,64 >> '$RESULTS'"
+step throughput_b256_p1000 50 "${TM[@]}" bench throughput "${BENCH[@]}" --num-prompts 256 --input-len 1000 \
     --output-len 128 --runs 1 --max-num-seqs 256 --max-num-batched-tokens 8192 $(result throughput_b256_p1000)
 step prefill_8k 35 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 8 --input-len 1024 --output-len 2 \
     --runs 3 --max-num-batched-tokens 8192 $(result prefill_8k)
-
+step latency_b1_sdpa_eager 40 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 \
+    --output-len 256 --runs 3 --attention-backend cuda --enforce-eager $(result latency_b1_sdpa_eager)
 step step_split_sdpa_eager 35 sh -c "'$PY' tools/gpu_bench.py profile --attention-backend cuda --enforce-eager \
     --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS'"
 step step_split_triton 35 sh -c "'$PY' tools/gpu_bench.py profile --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS'"
+
+KERNELS=${GPU_CHECK_KERNELS:-tests/kernels/triton}
+# shellcheck disable=SC2086
+step kernels 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit_kernels.xml" $KERNELS
 echo "done in ${SECONDS}s" | tee -a "$SUMMARY"
