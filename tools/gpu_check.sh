@@ -79,7 +79,7 @@ if [ ! -f "$MODEL/config.json" ]; then
     BUILD=$!
 fi
 
-GOLDEN=${GPU_CHECK_GOLDEN:-tests/models/test_golden.py::test_cuda_triton tests/models/test_golden.py::test_triton_backend \
+GOLDEN=${GPU_CHECK_TESTS:-tests/models/test_golden.py::test_cuda_triton tests/models/test_golden.py::test_triton_backend \
 tests/worker/test_cuda_graphs.py tests/attention/test_backends.py}
 # shellcheck disable=SC2086  # (a list of test paths)
 step golden 150 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit_golden.xml" $GOLDEN
