@@ -1,7 +1,7 @@
 """The GPU path's two measurements that `tokenmill bench` has no command for (tools/gpu_check.sh runs both):
 
     python3 tools/gpu_bench.py hf MODEL --batch-sizes 64,256 [--num-prompts 256 --input-len 32:512 --output-len 32:256]
-    python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32] [engine args: --attention-backend cuda ...]
+    python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE] [engine args: ...]
 
 `hf`: transformers `generate` on the GPU over `tokenmill bench throughput`'s random workload (same seed, same
 prompts and max_tokens): static batches in workload order, left-padded, greedy, EOS ignored, each batch run to
@@ -97,6 +97,11 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
         sync()
         wall_us = (time.perf_counter() - t) * 1e6
     steps = llm.engine.stats.num_steps - steps0
+    if args.table:  # the host-side ops that took the most time, for finding the CPU's share of a step
+        with open(args.table, "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=80))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0.0, -1.0
@@ -127,6 +132,8 @@ def main(argv: list[str]) -> int:
     pr = sub.add_parser("profile")
     pr.add_argument("--batch", type=int, default=64)
     pr.add_argument("--steps", type=int, default=32)
+    pr.add_argument("--table", help="write the profiler's op table (by self CPU time) to this file")
+    pr.add_argument("--trace", help="write the profiler's Chrome trace to this file")
     EngineArgs.add_cli_args(pr)
     pr.add_argument("model")
     args = p.parse_args(argv)

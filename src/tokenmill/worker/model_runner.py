@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from tokenmill.attention.backend import (
@@ -41,7 +42,7 @@ from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.worker.input_batch import CachedRequestState, StepBatch, build_step, update_states
 from tokenmill.worker.kv_cache import KVCacheTensors, copy_blocks, read_blocks, write_blocks
 from tokenmill.worker.memory import BackgroundPopulate
-from tokenmill.worker.sampler import Sampler, SamplerOutput, topn_logprobs
+from tokenmill.worker.sampler import Sampler, SamplerOutput, host_copy, topn_logprobs
 from tokenmill.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,18 @@ class PreparedStep:
     propose: bool = True  # whether the proposer drafts after this step (SchedulerOutput.propose_drafts)
     blocks_to_offload: list[int] = field(default_factory=list)  # read out first (the second KV tier)
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)  # written in after the copies
+
+
+@dataclass
+class LaunchedStep:
+    """A pure-decode greedy step whose kernels are all queued (ModelRunner.launch); finish() waits for its
+    tokens."""
+
+    step: StepBatch
+    sampling: SamplingMetadata
+    host_ids: torch.Tensor  # each row's token, on its way to host memory
+    copied: Any  # the event that marks the copy done (None on a CPU)
+    start: float  # when the launch began (perf_counter)
 
 
 @dataclass
@@ -115,6 +128,16 @@ class ModelRunner:
         # None where the fused path exists; True always (the layer loop over the decode rows, the
         # reference the tests compare the fused path with), False never (verification runs as prefill)
         self.verify_as_decode_rows: bool | None = None
+        # launch(): a pure-decode greedy step queued on the GPU by the thread that prepared it, its pending
+        # inputs taken from the device tensor of the tokens the step before samples, so that the GPU runs
+        # the next step while those tokens travel to the host. On where decode steps replay graphs; the
+        # tests turn it on over a CPU to check it against the worker-thread path
+        self.launch_ahead = self.graphs is not None
+        self.launched = 0  # steps run by launch()
+        self.device_inputs = 0  # of their pending inputs, those taken from the device
+        # the last launched step's sampled tokens (device) and, per request, (row, position) of its token
+        self._launched_ids: torch.Tensor | None = None
+        self._launched_rows: dict[str, tuple[int, int]] = {}
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         # a request's drafts follow the tokens the step before took: the engine asks for them
@@ -194,6 +217,75 @@ class ModelRunner:
             out.failed = prepared.failed
             out.offloaded_kv = offloaded
             return out
+
+    def launchable(self, prepared: PreparedStep | None) -> bool:
+        """Whether launch() may run this step: launch_ahead is on, and the step is pure decode (graph
+        sized where graphs replay), plain greedy with nothing reported beside the tokens, with no KV
+        blocks to move, no drafts, no proposer and one pipeline stage."""
+        if not self.launch_ahead or prepared is None or prepared.step is None or prepared.meta is None:
+            return False
+        step, meta, s = prepared.step, prepared.meta, prepared.sampling
+        n = len(step.input_ids)
+        return (s is not None and s.all_plain_greedy and not s.pending_plain and not s.drafts
+                and s.logprobs is None and not prepared.failed and prepared.rows is None
+                and not (prepared.blocks_to_copy or prepared.blocks_to_offload or prepared.blocks_to_load)
+                and self.proposer is None and self.pp.size == 1 and not step.prompt_lp_rows
+                and meta.num_decodes == len(step.logits_indices) == n
+                and (self.graphs is None or self.graphs.applies(meta, n)))
+
+    def launch(self, prepared: PreparedStep) -> LaunchedStep | None:
+        """Queue a launchable step's kernels and the copy of its tokens to the host, without waiting for
+        them. A pending input is taken from the host where its token is in, else from the device tensor
+        of the last launched step, which samples it; None (nothing queued) where a pending token is in
+        neither: a step on the worker thread samples it, and must be waited for first."""
+        step, meta, sampling = prepared.step, prepared.meta, prepared.sampling
+        assert step is not None and meta is not None and sampling is not None
+        dst: list[int] = []
+        src: list[int] = []
+        for row, st, pos in step.pending_inputs:
+            if pos < len(st.token_ids):
+                step.input_ids[row] = st.token_ids[pos]
+                continue
+            source = self._launched_rows.get(st.req_id)
+            if source is None or source[1] != pos:
+                return None
+            step.input_ids[row] = 0
+            dst.append(row)
+            src.append(source[0])
+        start = time.perf_counter()
+        n = len(step.input_ids)
+        staged = np.concatenate([step.input_ids, step.positions, np.asarray(dst + src, dtype=np.int64)])
+        with contextlib.ExitStack() as stack, torch.inference_mode():
+            for populate in self._populate:
+                stack.enter_context(populate.paused())
+            inputs = to_device(torch.from_numpy(staged), self.device)  # one copy for the step's inputs
+            input_ids, positions = inputs[:n], inputs[n:2 * n]
+            if dst:
+                assert self._launched_ids is not None
+                input_ids[inputs[2 * n:2 * n + len(dst)]] = self._launched_ids[inputs[2 * n + len(dst):]]
+            if self.graphs is not None:
+                hidden = self.graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, meta, None)
+            ids = self.model.compute_logits(hidden).argmax(dim=-1)
+            host_ids, copied = host_copy(ids)
+        self._launched_ids = ids
+        positions_list = step.positions.tolist()
+        self._launched_rows = {st.req_id: (k, positions_list[k] + 1) for k, st in enumerate(step.sample_states)}
+        self.launched += 1
+        self.device_inputs += len(dst)
+        return LaunchedStep(step, sampling, host_ids, copied, start)
+
+    def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """A launched step's output, once its tokens are in (into the request states, as execute does)."""
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        step = launched.step
+        out = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
+        self._record(step, out, self.sampler.from_argmax(launched.host_ids.tolist(), launched.sampling))
+        self.stage_times.steps += 1
+        self.stage_times.step_s += time.perf_counter() - launched.start
+        return out
 
     @torch.inference_mode()
     def _execute(self, step: StepBatch, meta: AttentionMetadata, rows: OutputRows | None,

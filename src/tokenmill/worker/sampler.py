@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -193,18 +193,26 @@ def topn_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[
     return out
 
 
-def host_list(t: torch.Tensor) -> list[int]:
-    """A tensor's values as a list. From a GPU: copied into pinned memory without blocking and waited for
-    by an event, so that only this thread waits (the step's worker thread; the core thread schedules the
-    next step meanwhile)."""
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(t on the host, the event that marks the copy done). From a GPU the copy goes into pinned memory
+    without blocking, behind the work queued before it; the event is None where t is already on the
+    host."""
     if t.device.type != "cuda":
-        return t.tolist()
+        return t, None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    copied.synchronize()
-    return host.tolist()
+    return host, copied
+
+
+def host_list(t: torch.Tensor) -> list[int]:
+    """A tensor's values as a list. From a GPU: waited for by an event (host_copy), so that only this
+    thread waits (the step's worker thread; the core thread schedules the next step meanwhile)."""
+    host, copied = host_copy(t)
+    if copied is not None:
+        copied.synchronize()
+    return cast(list[int], host.tolist())
 
 
 class Sampler:
