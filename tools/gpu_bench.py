@@ -1,7 +1,8 @@
 """The GPU path's two measurements that `tokenmill bench` has no command for (tools/gpu_check.sh runs both):
 
     python3 tools/gpu_bench.py hf MODEL --batch-sizes 64,256 [--num-prompts 256 --input-len 32:512 --output-len 32:256]
-    python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE] [engine args: ...]
+    python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE --launch-ahead off
+                                             --no-profiler] [engine args: --attention-backend cuda ...]
 
 `hf`: transformers `generate` on the GPU over `tokenmill bench throughput`'s random workload (same seed, same
 prompts and max_tokens): static batches in workload order, left-padded, greedy, EOS ignored, each batch run to
@@ -16,6 +17,7 @@ kernels (CPU work: scheduling, input preparation, launches, host syncs). Prints 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -84,6 +86,9 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model=args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
+    runner = llm.engine.core.executor.worker.model_runner
+    if args.launch_ahead == "off":  # the worker thread runs every step (the A/B of ModelRunner.launch)
+        runner.launch_ahead = False
     prompts = [{"prompt_token_ids": r.prompt_token_ids}
                for r in random_workload(args.batch, "128", "1", 10, llm.engine.config.model.arch.vocab_size, 1, 0)]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
@@ -91,12 +96,21 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     llm.engine.reset_prefix_cache()
     steps0 = llm.engine.stats.num_steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    launched0 = runner.launched
+    with torch_profile(activities=activities) if args.profiler else contextlib.nullcontext() as prof:
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         sync()
         wall_us = (time.perf_counter() - t) * 1e6
     steps = llm.engine.stats.num_steps - steps0
+    config = llm.engine.config
+    common = {"model": args.model, "attention_backend": config.attention_backend,
+              "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
+              "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0,
+              "batch": args.batch, "steps": steps, "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
+              "device": device_name()}
+    if prof is None:
+        return {"bench": "gpu-step-time", **common}
     if args.table:  # the host-side ops that took the most time, for finding the CPU's share of a step
         with open(args.table, "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=80))
@@ -109,15 +123,11 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
         if e > end:
             busy += e - max(s, end)
             end = e
-    config = llm.engine.config
-    return {"bench": "gpu-step-split", "model": args.model, "attention_backend": config.attention_backend,
-            "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
-            "batch": args.batch, "steps": steps, "kernels": len(kernels),
-            "wall_ms_per_step": round(wall_us / steps / 1e3, 3), "gpu_busy_ms_per_step": round(busy / steps / 1e3, 3),
+    return {"bench": "gpu-step-split", **common, "kernels": len(kernels),
+            "gpu_busy_ms_per_step": round(busy / steps / 1e3, 3),
             "gpu_idle_ms_per_step": round((wall_us - busy) / steps / 1e3, 3),
             "gpu_busy_fraction": round(busy / wall_us, 3),
-            "median_kernel_us": round(statistics.median(e - s for s, e in kernels), 2) if kernels else None,
-            "device": device_name()}
+            "median_kernel_us": round(statistics.median(e - s for s, e in kernels), 2) if kernels else None}
 
 
 def main(argv: list[str]) -> int:
@@ -132,6 +142,10 @@ def main(argv: list[str]) -> int:
     pr = sub.add_parser("profile")
     pr.add_argument("--batch", type=int, default=64)
     pr.add_argument("--steps", type=int, default=32)
+    pr.add_argument("--launch-ahead", choices=("on", "off"), default="on",
+                    help="off: every step on the worker thread (ModelRunner.launch_ahead), for an A/B")
+    pr.add_argument("--no-profiler", dest="profiler", action="store_false",
+                    help="time the decode window only (gpu-step-time), without the profiler's overhead")
     pr.add_argument("--table", help="write the profiler's op table (by self CPU time) to this file")
     pr.add_argument("--trace", help="write the profiler's Chrome trace to this file")
     EngineArgs.add_cli_args(pr)

@@ -8,7 +8,7 @@
 # the machine lacks (tokenmill needs msgspec and platformdirs there) are installed from .whl/ if present (tools/gpu_wheels.sh
 # downloads them on a machine with PyPI, transformers among them so that the golden tests compare with the
 # version tokenmill is tested against here). GPU_CHECK_SKIP="hf_256 ..." skips steps by name, GPU_CHECK_TESTS
-# replaces the golden step's test list, GPU_CHECK_KERNELS the kernels step's, GPU_CHECK_DEADLINE (seconds, 470) is
+# replaces the golden step's test list, GPU_CHECK_KERNELS the kernels step's, GPU_CHECK_DEADLINE (seconds, 540) is
 # when the run ends: each step's limit is cut to the time left, and a step with under 10 s left is skipped. Every
 # result is one line of $OUT/results.jsonl named by its step ("result"), every step's output goes to
 # $OUT/gpu_check.log, and $OUT/summary.txt lists each step's exit status and time (a step that fails or times
@@ -24,13 +24,14 @@
 #   prefill_8k             8 x 1,024-token prompts in one 8k-token step: prefill MFU
 #   latency_b1_sdpa_eager  batch-1 decode before: SDPA backend, eager
 #   step_split_*           per decode step, GPU-kernel time vs idle gaps (torch profiler): before and after
+#   launch_ahead_ab        decode step time at batch 1/8/64/256, launch-ahead off and on (no profiler)
 #   kernels                the Triton kernels' tests on the GPU (junit_kernels.xml)
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 MODEL=${GPU_CHECK_MODEL:-/tmp/gpu_check_llama_1.1b}
-DEADLINE=${GPU_CHECK_DEADLINE:-470}  # seconds from the start: later steps' limits are cut to end by then
+DEADLINE=${GPU_CHECK_DEADLINE:-540}  # seconds from the start: later steps' limits are cut to end by then
 SUMMARY="$OUT/summary.txt" LOG="$OUT/gpu_check.log" RESULTS="$OUT/results.jsonl"
 : > "$SUMMARY"
 : > "$LOG"
@@ -106,6 +107,12 @@ step latency_b1_sdpa_eager 40 "${TM[@]}" bench latency "${BENCH[@]}" --batch-siz
 step step_split_sdpa_eager 35 sh -c "'$PY' tools/gpu_bench.py profile --attention-backend cuda --enforce-eager \
     --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS'"
 step step_split_triton 35 sh -c "'$PY' tools/gpu_bench.py profile --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS'"
+
+# decode step time without the profiler, the worker thread running every step (launch-ahead off) against
+# ModelRunner.launch, at batch 1, 8, 64 and 256, each pair back to back
+step launch_ahead_ab 150 sh -c "for b in 1 8 64 256; do for la in off on; do '$PY' tools/gpu_bench.py profile \
+    --no-profiler --launch-ahead \$la --batch \$b --steps 64 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' \
+    >> '$RESULTS' || exit; done; done"
 
 KERNELS=${GPU_CHECK_KERNELS:-tests/kernels/triton}
 # shellcheck disable=SC2086
