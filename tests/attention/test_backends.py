@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend
 
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionMetadata, output_rows
-from tokenmill.attention.cpu import CUDA_SDPA_BACKENDS
+from tokenmill.attention.cpu import CUDA_SDPA_BACKENDS, SDPA_PREFILL_MIN_CONTEXT
 from tokenmill.kernels import load_cpu_kernels
 
 
@@ -138,3 +138,45 @@ def test_soft_capped_scores_match_reference(backend: str, dtype: torch.dtype, wi
     for layer_meta, want in ((capped, expected), (meta.for_layer(9, None), uncapped)):
         got = fast.forward(q, k_new, v_new, k_cache, v_cache, layer_meta, dim**-0.5)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("sdpa_prefill", [False, True], ids=["kernel-prefill", "sdpa-prefill"])
+def test_cpu_backend_long_context_prefill_matches_reference(window: int | None, sdpa_prefill: bool) -> None:
+    # a step whose prefill reaches SDPA_PREFILL_MIN_CONTEXT: with sdpa_prefill (the default where AMX-BF16
+    # runs) its chunks go through SDPA, the decodes through the C++ decode kernel; without, the C++ prefill
+    # kernel takes every chunk. Both against torch_ref, in bf16
+    query_lens, ctx_lens = [1, 1, 40, 300, 7], [1100, 50, SDPA_PREFILL_MIN_CONTEXT + 96, 300, 7]
+    hq, hk, dim, bs, num_blocks = 12, 4, 64, 16, 256
+    torch.manual_seed(0)
+    meta = make_batch(3, query_lens, ctx_lens, bs, num_blocks, window)
+    k_cache = torch.randn(num_blocks, bs, hk, dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(num_blocks, bs, hk, dim, dtype=torch.bfloat16)
+    q = torch.randn(sum(query_lens), hq, dim, dtype=torch.bfloat16)
+    k_new = torch.cat([_ctx(k_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
+    fast = get_backend("cpu")
+    fast.sdpa_prefill = sdpa_prefill
+    calls: list[str] = []
+    kernel = fast.ops.prefill_attention
+
+    def counting(*args: object) -> object:
+        calls.append("kernel")
+        return kernel(*args)
+
+    fast.ops = _Ops(fast.ops, prefill_attention=counting)
+    fast.prepare(meta, torch.device("cpu"))
+    expected = get_backend("torch_ref").forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
+    got = fast.forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert calls == ([] if sdpa_prefill else ["kernel"])
+
+
+class _Ops:
+    """The kernels' ops with some replaced (torch's op namespaces take no attribute assignment)."""
+
+    def __init__(self, ops: object, **replaced: object) -> None:
+        self._ops, self._replaced = ops, replaced
+
+    def __getattr__(self, name: str) -> object:
+        return self._replaced[name] if name in self._replaced else getattr(self._ops, name)

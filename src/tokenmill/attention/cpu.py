@@ -131,12 +131,22 @@ class SdpaBackend:
         return o.squeeze(0).transpose(0, 1)
 
 
+# the context from which SDPA's prefill outruns the C++ kernel's with AMX-BF16 (1.26-1.82x at 2,000
+# positions, even to 0.84x at 512; bench/README.md, 'Measurements behind the code')
+SDPA_PREFILL_MIN_CONTEXT = 1024
+
+
 class CpuBackend(SdpaBackend):
     name = "cpu"
 
     def __init__(self) -> None:
         self.ops = load_cpu_kernels()
         self._prefill_dims: dict[int, bool] = {}
+        # a step whose prefill reaches SDPA_PREFILL_MIN_CONTEXT positions runs its prefill chunks through SDPA
+        # rather than the C++ kernel where this process may run AMX-BF16: torch's flash attention takes its
+        # tile products there, the kernel takes VDPBF16PS (bench/README.md, 'Measurements behind the code');
+        # decodes keep the C++ paged decode either way
+        self.sdpa_prefill = self.ops is not None and bool(self.ops.gemv_sees_amx_bf16())
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         d = meta.num_decodes
@@ -179,6 +189,8 @@ class CpuBackend(SdpaBackend):
             return out
         if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
+        if self.sdpa_prefill and max(meta.seq_lens[meta.num_decodes:]) >= SDPA_PREFILL_MIN_CONTEXT:
+            return self._attend(q, k_new, v_new, k_cache, v_cache, meta, scale, None)  # decodes by _decode
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided split of qkv
         d = meta.num_decodes
         if d:
