@@ -60,6 +60,11 @@ class _Matcher:
 _FillJob = tuple[str, _Matcher, int, list[int]]
 
 
+def _live(state: _Matcher) -> bool:
+    """Whether the request's grammar still constrains its next token."""
+    return not state.freed and not state.matcher.is_terminated()
+
+
 class XGrammarBackend:
     follows_tokens_in_flight = True
 
@@ -164,28 +169,53 @@ class XGrammarBackend:
                 jobs.append((req.request_id, state, before, drafts.get(req.request_id, [])))
         if not jobs:
             return {}
+        if not any(d for *_, d in jobs) and all(st.num_accepted >= before for _, st, before, _ in jobs):
+            # every token before this step told (this thread tells them): the rows are laid out here and the
+            # fill thread makes only xgrammar's batch call, which runs without the GIL
+            out, rows, matchers, fresh = self._lay_out(jobs)
+            if not fresh:
+                return out
+            return self._fill_pool.submit(self._batch_fill, matchers, rows, fresh, out)
         return self._fill_pool.submit(self._fill, jobs)
+
+    def _batch_fill(self, matchers: list[Any], rows: np.ndarray, fresh: list[int],
+                    out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch.batch_fill_next_token_bitmask(matchers, _tensor(rows), fresh)
+        return out
+
+    def _lay_out(self, jobs: list[_FillJob]) -> tuple[dict[str, np.ndarray], np.ndarray, list[Any], list[int]]:
+        """The jobs without drafts: (each one's row: a live request's a view of one array, an ended one's all
+        set; that array; the matchers of the rows still to be filled, and those rows' indices in it)."""
+        out: dict[str, np.ndarray] = {}
+        live = []
+        for rid, st, _, d in jobs:
+            if d:
+                continue
+            if _live(st):
+                live.append((rid, st))
+            else:  # ended: the row is never used
+                out[rid] = np.full((1, self.words), -1, np.int32)
+        rows = np.full((len(live), self.words), -1, np.int32)
+        fresh: list[int] = []
+        for k, (rid, st) in enumerate(live):
+            if st.next_mask is None:
+                fresh.append(k)
+            else:
+                rows[k] = st.next_mask
+            out[rid] = rows[k:k + 1]
+        return out, rows, [live[k][1].matcher for k in fresh], fresh
 
     def _fill(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
         with self._told:
             self._told.wait_for(lambda: self._closed or all(st.freed or st.num_accepted >= before
                                                             for _, st, before, _ in jobs))
-        out: dict[str, np.ndarray] = {}
-        live = [(rid, st) for rid, st, _, d in jobs if not d and not st.freed and not st.matcher.is_terminated()]
-        if live:  # the rows without drafts, in one call
-            rows = np.full((len(live), self.words), -1, np.int32)
-            fresh = [k for k, (_, st) in enumerate(live) if st.next_mask is None]
-            if fresh:
-                if self._batch is None:
-                    import xgrammar as xgr
-
-                    self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-                self._batch.batch_fill_next_token_bitmask([live[k][1].matcher for k in fresh],
-                                                          _tensor(rows), fresh)
-            for k, (rid, st) in enumerate(live):
-                if st.next_mask is not None:
-                    rows[k] = st.next_mask
-                out[rid] = rows[k:k + 1]
+        out, rows, matchers, fresh = self._lay_out(jobs)
+        if fresh:  # the rows without drafts, in one call
+            self._batch_fill(matchers, rows, fresh, out)
         for rid, st, _, d in jobs:
             if rid in out:
                 continue
