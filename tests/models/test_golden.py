@@ -117,3 +117,4 @@ def test_cuda_triton(model_dirs: dict[str, str], name: str, enforce_eager: bool)
         assert runner.graphs is None
     elif runner.graphs is not None:  # (None for MoE and MLA models, which decode eagerly)
         assert runner.graphs.replays > 0
+        assert runner.launched > 0  # greedy decode steps were launched ahead (ModelRunner.launch)
