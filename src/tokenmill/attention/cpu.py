@@ -143,9 +143,9 @@ class CpuBackend(SdpaBackend):
         self.ops = load_cpu_kernels()
         self._prefill_dims: dict[int, bool] = {}
         # a step whose prefill reaches SDPA_PREFILL_MIN_CONTEXT positions runs its prefill chunks through SDPA
-        # rather than the C++ kernel where this process may run AMX-BF16: torch's flash attention takes its
-        # tile products there, the kernel takes VDPBF16PS (bench/README.md, 'Measurements behind the code');
-        # decodes keep the C++ paged decode either way
+        # rather than the C++ kernel where this process may run AMX-BF16 (decided once a step, in prepare):
+        # torch's flash attention takes its tile products there, the kernel takes VDPBF16PS (bench/README.md,
+        # 'Measurements behind the code'); decodes keep the C++ paged decode either way
         self.sdpa_prefill = self.ops is not None and bool(self.ops.gemv_sees_amx_bf16())
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
@@ -156,6 +156,8 @@ class CpuBackend(SdpaBackend):
             meta.extra["decode_tables"] = padded_tables(meta.block_tables[:d])
             meta.extra["decode_lens"] = torch.tensor(meta.seq_lens[:d], dtype=torch.int32)
         if meta.num_seqs > d:
+            if self.sdpa_prefill and max(meta.seq_lens[d:]) >= SDPA_PREFILL_MIN_CONTEXT:
+                return  # no prefill tables: forward takes SDPA's path for the chunks, _decode the C++ kernel
             meta.extra["prefill_tables"] = padded_tables(meta.block_tables[d:])
             meta.extra["prefill_starts"] = torch.tensor(meta.query_start_loc[d:], dtype=torch.int32)
             meta.extra["prefill_lens"] = torch.tensor(meta.seq_lens[d:], dtype=torch.int32)
@@ -189,8 +191,6 @@ class CpuBackend(SdpaBackend):
             return out
         if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
-        if self.sdpa_prefill and max(meta.seq_lens[meta.num_decodes:]) >= SDPA_PREFILL_MIN_CONTEXT:
-            return self._attend(q, k_new, v_new, k_cache, v_cache, meta, scale, None)  # decodes by _decode
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided split of qkv
         d = meta.num_decodes
         if d:

@@ -219,7 +219,7 @@ class XGrammarBackend:
         for rid, st, _, d in jobs:
             if rid in out:
                 continue
-            if st.freed or st.matcher.is_terminated():  # ended: the row is never used
+            if not _live(st):  # ended: the rows are never used
                 out[rid] = np.full((1 + len(d), self.words), -1, np.int32)
             else:
                 out[rid] = self._rows(st, d)

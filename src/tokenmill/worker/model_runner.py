@@ -193,9 +193,7 @@ class ModelRunner:
         """Run a prepared step; steps must execute in the order they were prepared."""
         if prepared is None:
             return ModelRunnerOutput([], [])
-        with contextlib.ExitStack() as stack:
-            for populate in self._populate:
-                stack.enter_context(populate.paused())
+        with self._populate_paused():
             # after every earlier step's writes, before this one's: the blocks evicted or swapped out are read
             # before a copy or a load may write into them, and a copy's source before a load reuses it
             offloaded = read_blocks(self.kv_caches, prepared.blocks_to_offload)
@@ -217,6 +215,13 @@ class ModelRunner:
             out.failed = prepared.failed
             out.offloaded_kv = offloaded
             return out
+
+    def _populate_paused(self) -> contextlib.ExitStack:
+        """The KV pool's background population held while a step runs (BackgroundPopulate.paused)."""
+        stack = contextlib.ExitStack()
+        for populate in self._populate:
+            stack.enter_context(populate.paused())
+        return stack
 
     def launchable(self, prepared: PreparedStep | None) -> bool:
         """Whether launch() may run this step: launch_ahead is on, and the step is pure decode (graph
@@ -255,9 +260,7 @@ class ModelRunner:
         start = time.perf_counter()
         n = len(step.input_ids)
         staged = np.concatenate([step.input_ids, step.positions, np.asarray(dst + src, dtype=np.int64)])
-        with contextlib.ExitStack() as stack, torch.inference_mode():
-            for populate in self._populate:
-                stack.enter_context(populate.paused())
+        with self._populate_paused(), torch.inference_mode():
             inputs = to_device(torch.from_numpy(staged), self.device)  # one copy for the step's inputs
             input_ids, positions = inputs[:n], inputs[n:2 * n]
             if dst:

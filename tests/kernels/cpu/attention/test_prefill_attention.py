@@ -38,6 +38,7 @@ def _compare(query_lens: list[int], ctx_lens: list[int], hq: int, hk: int, dim: 
     k_new = torch.cat([_ctx(k_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
     v_new = torch.cat([_ctx(v_cache, meta, b)[c - n:] for b, (n, c) in enumerate(zip(query_lens, ctx_lens))])
     fast = CpuBackend()
+    fast.sdpa_prefill = False  # the C++ kernel at every context, also where AMX-BF16 would route long ones to SDPA
     fast.prepare(meta, torch.device("cpu"))
     assert "prefill_tables" in meta.extra and fast._has_prefill_kernel(q)  # the kernel, not the SDPA fallback
     expected = get_backend("torch_ref").forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
