@@ -13,8 +13,8 @@ built or does not apply.
 A quantized cache (int8 / fp8 e4m3 with per-token-head scales, attention/kv_quant.py): SDPA dequantizes
 the context it gathers (decodes: one gather for all; prefill chunks: always from the cache, so that every
 path attends to the same quantized values); `CpuBackend` quantizes in C++ (`write_kv_quant_`) and runs
-every query row of the step, decodes and prefill rows, in one C++ call that reads the quantized cache in
-place (kernels/cpu/attention/paged_decode_quant.cpp).
+the decodes and short prefill chunks' rows in one C++ call that reads the quantized cache in place
+(kernels/cpu/attention/paged_decode_quant.cpp), longer chunks through SDPA's path.
 
 Each layer attends with its own window (`AttentionMetadata.sliding_window`, set per layer); scores
 soft-capped by tanh (`AttentionMetadata.softcap`, Gemma 2), which neither SDPA nor the C++ kernels do,
@@ -134,6 +134,9 @@ class SdpaBackend:
 # the context from which SDPA's prefill outruns the C++ kernel's with AMX-BF16 (1.26-1.82x at 2,000
 # positions, even to 0.84x at 512; bench/README.md, 'Measurements behind the code')
 SDPA_PREFILL_MIN_CONTEXT = 1024
+# over a quantized cache, the prefill chunk length from which SDPA over the dequantized context takes the
+# chunk instead of the C++ kernel's one row at a time (bench/README.md, 'Measurements behind the code')
+QUANT_SDPA_MIN_ROWS = 16
 
 
 class CpuBackend(SdpaBackend):
@@ -185,10 +188,7 @@ class CpuBackend(SdpaBackend):
         if kv_scales is not None:
             if self.ops is None or q.device.type != "cpu" or meta.num_seqs == 0:
                 return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
-            tables, lens = _row_tables(meta)
-            out: torch.Tensor = self.ops.paged_attention_quant(q, k_cache, v_cache, kv_scales.k, kv_scales.v, tables,
-                                                                lens, scale, meta.sliding_window or 0)
-            return out
+            return self._forward_quantized(q, k_new, v_new, k_cache, v_cache, meta, scale, kv_scales)
         if "prefill_tables" not in meta.extra or not self._has_prefill_kernel(q):
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided split of qkv
@@ -198,6 +198,28 @@ class CpuBackend(SdpaBackend):
         # all prefill chunks in one call, K/V read in place from the cache (kernels/cpu/attention/prefill_attention.cpp)
         self.ops.prefill_attention(q, k_cache, v_cache, meta.extra["prefill_tables"], meta.extra["prefill_starts"],
                                    meta.extra["prefill_lens"], scale, meta.sliding_window or 0, out)
+        return out
+
+    def _forward_quantized(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           kv_scales: KVScales) -> torch.Tensor:
+        """A quantized cache: decodes and short chunks row by row in one C++ call that reads the cache in
+        place; chunks of QUANT_SDPA_MIN_ROWS rows or more through SDPA over their dequantized context."""
+        tables, lens = _row_tables(meta)
+        window = meta.sliding_window or 0
+        chunks, rows = _quant_split(meta)
+        if not chunks:
+            out: torch.Tensor = self.ops.paged_attention_quant(q, k_cache, v_cache, kv_scales.k, kv_scales.v, tables,
+                                                                lens, scale, window)
+            return out
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if rows is not None:
+            out[rows] = self.ops.paged_attention_quant(q[rows], k_cache, v_cache, kv_scales.k, kv_scales.v,
+                                                       tables[rows], lens[rows], scale, window)
+        qsl = meta.query_start_loc
+        for b in chunks:
+            s, e = qsl[b], qsl[b + 1]
+            out[s:e] = self._prefill(q[s:e], k_new[s:e], v_new[s:e], k_cache, v_cache, meta, b, scale, kv_scales)
         return out
 
     def _has_prefill_kernel(self, q: torch.Tensor) -> bool:
@@ -228,6 +250,21 @@ def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         meta.extra["row_lens"] = torch.cat([torch.arange(n - c + 1, n + 1, dtype=torch.int32)
                                             for n, c in zip(lens, counts, strict=True)])
     return meta.extra["row_tables"], meta.extra["row_lens"]
+
+
+def _quant_split(meta: AttentionMetadata) -> tuple[list[int], torch.Tensor | None]:
+    """Over a quantized cache: the prefill chunks (sequence indices) of QUANT_SDPA_MIN_ROWS query rows or
+    more, and the query rows of everything else (None where there are none); built once per step."""
+    if "quant_chunks" not in meta.extra:
+        qsl = meta.query_start_loc
+        chunks = [b for b in range(meta.num_decodes, meta.num_seqs) if qsl[b + 1] - qsl[b] >= QUANT_SDPA_MIN_ROWS]
+        keep = torch.ones(qsl[meta.num_seqs], dtype=torch.bool)
+        for b in chunks:
+            keep[qsl[b]:qsl[b + 1]] = False
+        meta.extra["quant_chunks"] = torch.tensor(chunks, dtype=torch.int64)
+        meta.extra["quant_rows"] = keep.nonzero().flatten()
+    rows = meta.extra["quant_rows"]
+    return meta.extra["quant_chunks"].tolist(), rows if rows.numel() else None
 
 
 def _prepare_gather(meta: AttentionMetadata, device: torch.device) -> None:

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include "avx512.h"
 #include "common.h"
 #include "kernels.h"
 
@@ -171,23 +172,10 @@ void decode(const T* q, int64_t q_seq_stride, int64_t q_head_stride, const T* kc
 // columns apart (widening bf16 pairs then needs no shuffle); they are interleaved again when the
 // result is written.
 constexpr int64_t TILE = 16;
+using tokenmill::exp16;
+using tokenmill::tile_softmax;
+using tokenmill::transpose4x4;
 
-// exp_approx (common.h) on 16 lanes, lanes outside valid set to 0. No clamping: callers keep x <= 8,
-// and scalef takes a very negative x to 0 as it should.
-inline __m512 exp16(__m512 x, __mmask16 valid) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-  __m512 p = _mm512_set1_ps(1.3888889e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(valid, p, n);
-}
 
 // Software prefetch, spread over the work of a tile one row at a time (bursts of whole blocks stall the
 // loads needed now): a near copy into L1 about 8 KiB ahead and a far one into L2 eight kv-head slices
@@ -218,15 +206,6 @@ __attribute__((always_inline)) inline void finish_scores(__m512 (*acc)[4], float
   }
 }
 
-// 4 rows x[0..3] (16 dwords each) -> u[b] lane (L, k) = dword 4L + b of row k
-__attribute__((always_inline)) inline void transpose4x4(const __m512i* x, __m512i* u) {
-  const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
-  u[0] = _mm512_unpacklo_epi64(t0, t2);
-  u[1] = _mm512_unpackhi_epi64(t0, t2);
-  u[2] = _mm512_unpacklo_epi64(t1, t3);
-  u[3] = _mm512_unpackhi_epi64(t1, t3);
-}
 
 // Scores of NH <= 4 heads (qp: their permuted q) from the K rows in memory; kt, if given, keeps the
 // lane-transposed rows for further heads.
@@ -311,23 +290,6 @@ inline void group_scores(const __m512i* qp, const at::BFloat16* k, int64_t row_l
   }
 }
 
-// Online softmax of one head over a tile: folds scores s (lanes in valid) into the running max m and
-// the lane-wise running sum l; returns the tile's unnormalised probabilities (0 outside valid) and sets
-// corr to the factor that rescales the head's accumulator. exp(s - m) is right for any m, so m is
-// raised only when a score passes m + 8 (no overflow below e^8): most tiles skip the reduction and
-// the rescale.
-inline __m512 tile_softmax(__m512 s, __mmask16 valid, float& m, __m512& l, float& corr) {
-  corr = 1.f;
-  if (_mm512_mask_cmp_ps_mask(valid, s, _mm512_set1_ps(m + 8.f), _CMP_GT_OQ)) {
-    const float top = _mm512_mask_reduce_max_ps(valid, s);
-    corr = tokenmill::exp_approx(m - top);
-    m = top;
-    l = _mm512_mul_ps(l, _mm512_set1_ps(corr));
-  }
-  const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m)), valid);
-  l = _mm512_add_ps(l, p);
-  return p;
-}
 
 // tile_softmax for NH heads at once (their exp chains interleave): scores p[g * TILE ...] times scale
 // -> probabilities in place, with the heads' running m, l and corr.

@@ -19,8 +19,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "avx512.h"
 #include "common.h"
 
 namespace {
@@ -127,11 +129,333 @@ void attend(const T* q, int64_t q_row_stride, int64_t q_head_stride, const E* kc
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 cached elements from e as float (int8: sign-extended; fp8 e4m3: through the 256-entry table)
+inline __m512 widen16(const int8_t* e, const float*) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e))));
+}
+inline __m512 widen16(const uint8_t* e, const float* lut) {
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e))), lut, 4);
+}
+
+inline void prefetch_rows(const void* base, int64_t first, int64_t n, int64_t stride) {
+  const char* p = static_cast<const char*>(base) + first * stride;
+  for (int64_t j = 0; j < n; ++j) _mm_prefetch(p + j * stride, _MM_HINT_T0);
+}
+
+// The same arithmetic as attend, one work item per (query row, kv head, run of up to NG of its query
+// heads): each cached K/V row of the kv head (DIM elements, 64 or 128 bytes) is widened in registers
+// once for the NG heads, the NG accumulators stay in registers, and the next block's rows are
+// prefetched while this one is worked on (blocks live anywhere in the pool).
+template <typename T, typename E, int64_t DIM, int NG>
+void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const E* kc, const E* vc,
+                  const float* ks, const float* vs, const int32_t* table, int64_t len, int64_t r, int64_t kh,
+                  int64_t h0, T* out, const Shape& sh, float* s) {
+  constexpr int C = DIM / 16;
+  const int64_t hk = sh.hk, bs = sh.bs, row_len = hk * DIM;
+  const float* lut = fp8_table();
+  alignas(64) float qf[NG][DIM];
+  for (int g = 0; g < NG; ++g)
+    for (int64_t d = 0; d < DIM; ++d) qf[g][d] = to_float(q[r * q_row_stride + (h0 + g) * q_head_stride + d]) * sh.scale;
+  __m512 acc[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  float m[NG], l[NG];
+  for (int g = 0; g < NG; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
+  const int64_t start = sh.window > 0 ? std::max<int64_t>(0, len - sh.window) : 0;
+  const int64_t last = len > 0 ? (len - 1) / bs : -1;
+  for (int64_t bi = start / bs; bi <= last; ++bi) {
+    const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
+    const int64_t slot0 = static_cast<int64_t>(table[bi]) * bs + (p0 - bi * bs);
+    if (bi < last) {
+      const int64_t next = static_cast<int64_t>(table[bi + 1]) * bs;
+      prefetch_rows(kc + kh * DIM, next, std::min(bs, len - (bi + 1) * bs), row_len);
+      prefetch_rows(vc + kh * DIM, next, std::min(bs, len - (bi + 1) * bs), row_len);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = slot0 + j;
+      const E* kr = kc + slot * row_len + kh * DIM;
+      __m512 kf[C];
+      for (int c = 0; c < C; ++c) kf[c] = widen16(kr + c * 16, lut);
+      const float kscale = ks[slot * hk + kh];
+      for (int g = 0; g < NG; ++g) {
+        __m512 t = _mm512_mul_ps(kf[0], _mm512_load_ps(qf[g]));
+        for (int c = 1; c < C; ++c) t = _mm512_fmadd_ps(kf[c], _mm512_load_ps(qf[g] + c * 16), t);
+        s[g * bs + j] = _mm512_reduce_add_ps(t) * kscale;
+      }
+    }
+    for (int g = 0; g < NG; ++g) {  // online softmax over the block
+      float* sg = s + g * bs;
+      float bmax = m[g];
+      for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sg[j]);
+      const float corr = tokenmill::exp_approx(m[g] - bmax);
+      m[g] = bmax;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = tokenmill::exp_approx(sg[j] - bmax);
+        sum += sg[j];
+      }
+      l[g] = l[g] * corr + sum;
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = slot0 + j;
+      const E* vr = vc + slot * row_len + kh * DIM;
+      __m512 vf[C];
+      for (int c = 0; c < C; ++c) vf[c] = widen16(vr + c * 16, lut);
+      const float vscale = vs[slot * hk + kh];
+      for (int g = 0; g < NG; ++g) {
+        const __m512 pv = _mm512_set1_ps(s[g * bs + j] * vscale);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vf[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    alignas(64) float o[DIM];
+    for (int c = 0; c < C; ++c) _mm512_store_ps(o + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv)));
+    T* dst = out + (r * sh.hq + h0 + g) * DIM;
+    for (int64_t d = 0; d < DIM; ++d) dst[d] = static_cast<T>(o[d]);
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// bf16 queries over an int8 cache in integer arithmetic (vpdpwssd: pairs of int16 products summed into
+// int32), in tiles of 16 keys (attend_i16 below):
+// - scores: each head's q (times the softmax scale) as 16-bit fixed point, q ~ sq * qi with
+//   sq = amax / 32767, within amax * 2^-16 of q (finer than q's own bf16 rounding of its largest
+//   elements); K rows widened to int16 in registers; 4 keys' dim pairs side by side (transpose4x4), so
+//   that each product leaves a key per lane (as the bf16 kernel's tiles do). Exact in int32, then
+//   times sq and the key's scale.
+// - values: a tile's weights w = p * (the value's scale) as 16-bit fixed point per tile and head
+//   (w ~ sw * wi, sw = max w / 32767), two keys' int16 V rows interleaved per pair of dims; the int32
+//   sums (under 2 * 127 * 32767 * 8 per tile) go to the float accumulator times sw after each tile.
+constexpr int64_t KTILE = 16;
+
+// 32 int8 at e as int16
+inline __m512i widen32(const int8_t* e) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e)));
+}
+
+// One query head's state over its row's context: q permuted as the bf16 kernel's (qp[c][b] lane (L, k) =
+// the q pair 16c + 4L + b), its fixed-point scale, the running max and lane-wise sum of the online softmax,
+// and the float accumulator, whose lanes acc[2c][4L + k] and acc[2c + 1][4L + k] hold dims 32c + 8L + k and
+// 32c + 8L + 4 + k (the order vpunpck{l,h}wd leave them in).
+template <int64_t DIM>
+struct HeadI16 {
+  __m512i qp[DIM / 32][4];
+  __m512 l;
+  float sq, m;
+  alignas(64) float acc[DIM / 16][16];
+};
+
+template <int64_t DIM>
+void head_i16_init(HeadI16<DIM>& hs, const at::BFloat16* q, float scale) {
+  alignas(64) float x[DIM];
+  float amax = 0.f;
+  for (int64_t d = 0; d < DIM; ++d) {
+    x[d] = static_cast<float>(q[d]) * scale;
+    amax = std::max(amax, std::fabs(x[d]));
+  }
+  hs.sq = std::max(amax, 1e-30f) / 32767.f;
+  alignas(64) int16_t qi[DIM];
+  for (int64_t d = 0; d < DIM; ++d) qi[d] = static_cast<int16_t>(std::nearbyint(x[d] / hs.sq));
+  for (int64_t c = 0; c < DIM / 32; ++c) {
+    const __m512i v = _mm512_load_si512(qi + c * 32);
+    for (int b = 0; b < 4; ++b)
+      hs.qp[c][b] = _mm512_permutexvar_epi32(
+          _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12), _mm512_set1_epi32(b)), v);
+  }
+  hs.l = _mm512_setzero_ps();
+  hs.m = -std::numeric_limits<float>::infinity();
+  for (auto& a : hs.acc) std::fill(a, a + 16, 0.f);
+}
+
+// NG query heads of one kv head over a tile of n <= 16 keys: K rows kt + j * row_len, V rows vt + j * row_len,
+// their scales ks[j * hk], vs[j * hk]; kpf / vpf: rows to prefetch (one per key) while the tile is worked on.
+template <int64_t DIM, int NG>
+void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_len, int64_t n, const float* ks,
+              const float* vs, int64_t hk, const char* kpf, const char* vpf) {
+  constexpr int NV = DIM / 32;  // zmm of int16 per row
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  // scores: si[g][a] lane (L, k) sums key 4a + k over the dims of lane L
+  __m512i si[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int a = 0; a < 4; ++a) si[g][a] = _mm512_setzero_si512();
+  for (int c = 0; c < NV; ++c)
+    for (int a = 0; a < 4; ++a) {
+      __m512i x[4], u[4];
+      for (int k = 0; k < 4; ++k) {
+        const int64_t j = 4 * a + k;
+        if (c == 0) _mm_prefetch(kpf + j * row_len, _MM_HINT_T0);
+        x[k] = j < n ? widen32(kt + j * row_len + c * 32) : _mm512_setzero_si512();
+      }
+      tokenmill::transpose4x4(x, u);
+      for (int b = 0; b < 4; ++b)
+        for (int g = 0; g < NG; ++g) si[g][a] = _mm512_dpwssd_epi32(si[g][a], u[b], hs[g].qp[c][b]);
+    }
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(hk)));
+  const __m512 kscale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, ks, 4);
+  const __m512 vscale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, vs, 4);
+  alignas(64) int32_t wpair[NG][KTILE / 2];
+  float sw[NG];
+  for (int g = 0; g < NG; ++g) {
+    const __m512i m01 = _mm512_add_epi32(_mm512_shuffle_i32x4(si[g][0], si[g][1], 0x44),
+                                         _mm512_shuffle_i32x4(si[g][0], si[g][1], 0xee));
+    const __m512i m23 = _mm512_add_epi32(_mm512_shuffle_i32x4(si[g][2], si[g][3], 0x44),
+                                         _mm512_shuffle_i32x4(si[g][2], si[g][3], 0xee));
+    const __m512i tot = _mm512_add_epi32(_mm512_shuffle_i32x4(m01, m23, 0x88), _mm512_shuffle_i32x4(m01, m23, 0xdd));
+    const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(kscale, _mm512_set1_ps(hs[g].sq)));
+    float corr;
+    const __m512 w = _mm512_mul_ps(tokenmill::tile_softmax(sc, valid, hs[g].m, hs[g].l, corr), vscale);
+    if (corr != 1.f) {
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (auto& a : hs[g].acc) _mm512_store_ps(a, _mm512_mul_ps(_mm512_load_ps(a), cv));
+    }
+    const float wmax = _mm512_reduce_max_ps(w);  // w >= 0
+    sw[g] = wmax / 32767.f;
+    const __m512i wi = wmax > 0.f ? _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(32767.f / wmax)))
+                                  : _mm512_setzero_si512();
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wpair[g]), _mm512_cvtepi32_epi16(wi));
+  }
+  // values: two keys' rows interleaved per pair of dims, each head's pair of weights broadcast
+  __m512i pi[NG][2 * NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 2 * NV; ++i) pi[g][i] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < n; j += 2) {
+    __m512i wv[NG];
+    for (int g = 0; g < NG; ++g) wv[g] = _mm512_set1_epi32(wpair[g][j / 2]);
+    _mm_prefetch(vpf + j * row_len, _MM_HINT_T0);
+    _mm_prefetch(vpf + (j + 1) * row_len, _MM_HINT_T0);
+    for (int c = 0; c < NV; ++c) {
+      const __m512i a = widen32(vt + j * row_len + c * 32);
+      const __m512i b = j + 1 < n ? widen32(vt + (j + 1) * row_len + c * 32) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < NG; ++g) {
+        pi[g][2 * c] = _mm512_dpwssd_epi32(pi[g][2 * c], lo, wv[g]);
+        pi[g][2 * c + 1] = _mm512_dpwssd_epi32(pi[g][2 * c + 1], hi, wv[g]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m512 sv = _mm512_set1_ps(sw[g]);
+    for (int i = 0; i < 2 * NV; ++i)
+      _mm512_store_ps(hs[g].acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi[g][i]), sv, _mm512_load_ps(hs[g].acc[i])));
+  }
+}
+
+// The integer path's work: one item per query row, or per (row, part of its kv heads) where rows are too few
+// to keep every thread busy. Each tile of 16 keys is taken for all kv heads of the item in turn, so that a
+// token's K and V rows are read whole, once; the next block's rows at the same place are prefetched one at
+// a time with this tile's loads (a burst of a whole block's prefetches stalls the loads needed now).
+template <int64_t DIM>
+void attend_i16(const at::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, const int8_t* kc, const int8_t* vc,
+                const float* ks, const float* vs, const int32_t* tables, const int32_t* lens, at::BFloat16* out,
+                const Shape& sh) {
+  constexpr int NGMAX = DIM == 64 ? 4 : 2;  // heads whose int32 sums stay in registers
+  const int64_t hq = sh.hq, hk = sh.hk, bs = sh.bs, group = hq / hk, row_len = hk * DIM;
+  const int64_t parts = std::clamp<int64_t>((2 * at::get_num_threads() + sh.rows - 1) / std::max<int64_t>(sh.rows, 1),
+                                            1, hk);
+  at::parallel_for(0, sh.rows * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<HeadI16<DIM>> hs(hq);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / parts, part = item % parts;
+      const int64_t kh0 = part * hk / parts, kh1 = (part + 1) * hk / parts, len = lens[r];
+      for (int64_t h = kh0 * group; h < kh1 * group; ++h)
+        head_i16_init(hs[h], q + r * q_row_stride + h * q_head_stride, sh.scale);
+      const int32_t* table = tables + r * sh.max_blocks;
+      const int64_t start = sh.window > 0 ? std::max<int64_t>(0, len - sh.window) : 0;
+      const int64_t last = len > 0 ? (len - 1) / bs : -1;
+      for (int64_t bi = start / bs; bi <= last; ++bi) {
+        const int64_t p0 = std::max(start, bi * bs), rows = std::min(len, (bi + 1) * bs) - p0;
+        const int64_t slot0 = static_cast<int64_t>(table[bi]) * bs + (p0 - bi * bs);
+        const int64_t next = bi < last ? static_cast<int64_t>(table[bi + 1]) * bs + (p0 - bi * bs) : -1;
+        for (int64_t t = 0; t < rows; t += KTILE) {
+          const int64_t n = std::min(KTILE, rows - t), slot = slot0 + t;
+          for (int64_t kh = kh0; kh < kh1; ++kh) {
+            const int64_t here = slot * row_len + kh * DIM, ahead = next >= 0 ? (next + t) * row_len + kh * DIM : here;
+            const char* kpf = reinterpret_cast<const char*>(kc + ahead);
+            const char* vpf = reinterpret_cast<const char*>(vc + ahead);
+            for (int64_t g = 0; g < group; g += NGMAX) {
+              HeadI16<DIM>* hg = hs.data() + kh * group + g;
+              const float *ksp = ks + slot * hk + kh, *vsp = vs + slot * hk + kh;
+              switch (std::min<int64_t>(NGMAX, group - g)) {
+                case 1: tile_i16<DIM, 1>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
+                case 2: tile_i16<DIM, 2>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
+                case 3: tile_i16<DIM, NGMAX < 3 ? 1 : 3>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
+                default: tile_i16<DIM, NGMAX>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
+              }
+            }
+          }
+        }
+      }
+      for (int64_t h = kh0 * group; h < kh1 * group; ++h) {
+        const float sum = _mm512_reduce_add_ps(hs[h].l);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        at::BFloat16* dst = out + (r * hq + h) * DIM;
+        for (int64_t c = 0; c < DIM / 32; ++c)
+          for (int half = 0; half < 2; ++half)
+            for (int L = 0; L < 4; ++L)
+              for (int k = 0; k < 4; ++k)
+                dst[32 * c + 8 * L + 4 * half + k] = static_cast<at::BFloat16>(hs[h].acc[2 * c + half][4 * L + k] * inv);
+      }
+    }
+  });
+}
+#endif
+
+// attend with the work split over (query row, kv head, run of query heads); DIM 64 or 128
+template <typename T, typename E, int64_t DIM>
+void attend_vec(const T* q, int64_t q_row_stride, int64_t q_head_stride, const E* kc, const E* vc, const float* ks,
+                const float* vs, const int32_t* tables, const int32_t* lens, T* out, const Shape& sh) {
+  constexpr int NGMAX = DIM == 64 ? 4 : 2;  // NG * DIM / 16 accumulators in registers
+  const int64_t group = sh.hq / sh.hk, runs = (group + NGMAX - 1) / NGMAX;
+  at::parallel_for(0, sh.rows * sh.hk * runs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(NGMAX * sh.bs);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / (sh.hk * runs), kh = (i / runs) % sh.hk, run = i % runs;
+      const int64_t h0 = kh * group + run * NGMAX, ng = std::min<int64_t>(NGMAX, group - run * NGMAX);
+      const int32_t* table = tables + r * sh.max_blocks;
+      switch (ng) {
+#define TM_HEADS(N)                                                                                              \
+  case N:                                                                                                        \
+    attend_heads<T, E, DIM, (N <= NGMAX ? N : 1)>(q, q_row_stride, q_head_stride, kc, vc, ks, vs, table, lens[r], \
+                                                  r, kh, h0, out, sh, s.data());                                 \
+    break;
+        TM_HEADS(1)
+        TM_HEADS(2)
+        TM_HEADS(3)
+        TM_HEADS(4)
+#undef TM_HEADS
+      }
+    }
+  });
+}
+#endif
+
 template <typename T, typename E>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ks,
                   const at::Tensor& vs, const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                   const Shape& sh) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<E, int8_t>) {
+    if (sh.dim == 64 || sh.dim == 128) {  // bf16 queries over int8: the integer path
+      auto ikernel = sh.dim == 64 ? attend_i16<64> : attend_i16<128>;
+      ikernel(q.data_ptr<T>(), q.stride(0), q.stride(1), static_cast<const E*>(kc.data_ptr()),
+              static_cast<const E*>(vc.data_ptr()), ks.data_ptr<float>(), vs.data_ptr<float>(),
+              tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(), sh);
+      return;
+    }
+  }
+#endif
+  auto kernel = sh.dim == 64 ? attend_vec<T, E, 64> : sh.dim == 128 ? attend_vec<T, E, 128> : attend<T, E, 0>;
+#else
   auto kernel = sh.dim == 64 ? attend<T, E, 64> : sh.dim == 128 ? attend<T, E, 128> : attend<T, E, 0>;
+#endif
   kernel(q.data_ptr<T>(), q.stride(0), q.stride(1), static_cast<const E*>(kc.data_ptr()),
          static_cast<const E*>(vc.data_ptr()), ks.data_ptr<float>(), vs.data_ptr<float>(), tables.data_ptr<int32_t>(),
          lens.data_ptr<int32_t>(), out.data_ptr<T>(), sh);
