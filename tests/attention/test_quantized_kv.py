@@ -128,7 +128,7 @@ def test_cpu_backend_takes_the_cpp_path_for_a_quantized_cache(monkeypatch: pytes
 
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
 def test_cpu_backend_sends_long_quantized_chunks_through_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
-    meta, q, k_new, v_new, kc, vc, scales, k_deq, v_deq = quantized_step([1, 20, 3], [9, 20, 30], 4, 2, 32, 8, None,
+    meta, q, k_new, v_new, kc, vc, scales, k_deq, v_deq = quantized_step([1, 70, 3], [9, 70, 30], 4, 2, 32, 8, None,
                                                                          torch.bfloat16, torch.int8)
     sdpa_rows: list[int] = []
     real = torch.nn.functional.scaled_dot_product_attention
@@ -141,8 +141,8 @@ def test_cpu_backend_sends_long_quantized_chunks_through_sdpa(monkeypatch: pytes
     fast = get_backend("cpu")
     fast.prepare(meta, torch.device("cpu"))
     got = fast.forward(q, k_new, v_new, kc, vc, meta, 0.2, scales)
-    assert sdpa_rows == [20]  # the 20-row chunk; the decode and the 3-row chunk stay in the kernel
-    assert meta.extra["quant_rows"].tolist() == [0, 21, 22, 23]
+    assert sdpa_rows == [70]  # the 70-row chunk; the decode and the 3-row chunk stay in the kernel
+    assert meta.extra["quant_rows"].tolist() == [0, 71, 72, 73]
     expected = get_backend("torch_ref").forward(q.float(), k_new.float(), v_new.float(), k_deq.view(kc.shape),
                                                  v_deq.view(vc.shape), meta, 0.2)
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)

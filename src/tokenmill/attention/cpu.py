@@ -136,7 +136,7 @@ class SdpaBackend:
 SDPA_PREFILL_MIN_CONTEXT = 1024
 # over a quantized cache, the prefill chunk length from which SDPA over the dequantized context takes the
 # chunk instead of the C++ kernel's one row at a time (bench/README.md, 'Measurements behind the code')
-QUANT_SDPA_MIN_ROWS = 16
+QUANT_SDPA_MIN_ROWS = 64
 
 
 class CpuBackend(SdpaBackend):
