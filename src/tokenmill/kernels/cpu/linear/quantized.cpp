@@ -179,6 +179,8 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
     const __mmask64 m = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
     __m512i wv[NR];
     for (int j = 0; j < NR; ++j) {
+      // the next NR rows, at the same k: rows of a few KiB end before the hardware prefetchers run ahead
+      // (bench/README.md, 'Measurements behind the code')
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NR) * K + k), _MM_HINT_T0);
       wv[j] = _mm512_maskz_loadu_epi8(m, w + (n + j) * K + k);
     }
@@ -218,7 +220,7 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
     for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
       __m512i lo[NR], hi[NR];
       for (int j = 0; j < NR; ++j) {
-        const uint8_t* wj = w + (n + j) * (K / 2) + c * 64;
+        const uint8_t* wj = w + (n + j) * (K / 2) + c * 64;  // prefetched NR rows ahead, as int8_limb_rows
         _mm_prefetch(reinterpret_cast<const char*>(wj + NR * (K / 2)), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(wj);
         lo[j] = _mm512_and_si512(v, nib);
