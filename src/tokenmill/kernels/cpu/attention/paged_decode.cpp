@@ -94,30 +94,6 @@ inline void reset(std::vector<float>& acc, std::vector<float>& m, std::vector<fl
   std::fill(l.begin(), l.end(), 0.f);
 }
 
-// Online softmax over one block: folds the block's raw scores s[h * bs + j] (j < n) into each
-// head's running max m and sum l, rescales its accumulator acc[h * dim ...], and leaves the
-// block's unnormalised probabilities in s.
-inline void softmax_block(float* s, int64_t bs, int64_t n, int64_t hq, int64_t dim, float* m, float* l,
-                          float* acc) {
-  for (int64_t h = 0; h < hq; ++h) {
-    float* sh = s + h * bs;
-    float bmax = m[h];
-    for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[j]);
-    const float corr = tokenmill::exp_approx(m[h] - bmax);
-    m[h] = bmax;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      sh[j] = tokenmill::exp_approx(sh[j] - bmax);
-      sum += sh[j];
-    }
-    l[h] = l[h] * corr + sum;
-    float* a = acc + h * dim;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
-  }
-}
-
 inline void normalize(float* acc, const float* l, int64_t hq, int64_t dim) {
   for (int64_t h = 0; h < hq; ++h) {
     const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
@@ -147,7 +123,7 @@ void decode(const T* q, int64_t q_seq_stride, int64_t q_head_stride, const T* kc
             for (int64_t g = 0; g < group; ++g, ++h)
               s[h * bs + j] = dot<DIM>(qf.data() + h * dim, row.data() + kh * dim, dim);
         }
-        softmax_block(s.data(), bs, n, hq, dim, m.data(), l.data(), acc.data());
+        tokenmill::softmax_block(s.data(), bs, n, hq, dim, m.data(), l.data(), acc.data());
         for (int64_t j = 0; j < n; ++j) {
           load_row(vc + base + j * row_len, row.data(), row_len);
           for (int64_t kh = 0, h = 0; kh < hk; ++kh)

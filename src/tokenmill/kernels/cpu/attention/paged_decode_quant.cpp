@@ -97,20 +97,7 @@ void attend(const T* q, int64_t q_row_stride, int64_t q_head_stride, const E* kc
             for (int64_t g = 0; g < group; ++g, ++h)
               s[h * bs + j] = dot<DIM>(qf.data() + h * dim, row.data() + kh * dim, dim) * ks[slot * hk + kh];
         }
-        for (int64_t h = 0; h < hq; ++h) {  // online softmax over the block
-          float* sh_ = s.data() + h * bs;
-          float bmax = m[h];
-          for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh_[j]);
-          const float corr = tokenmill::exp_approx(m[h] - bmax);
-          m[h] = bmax;
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            sh_[j] = tokenmill::exp_approx(sh_[j] - bmax);
-            sum += sh_[j];
-          }
-          l[h] = l[h] * corr + sum;
-          for (int64_t d = 0; d < dim; ++d) acc[h * dim + d] *= corr;
-        }
+        tokenmill::softmax_block(s.data(), bs, n, hq, dim, m.data(), l.data(), acc.data());
         for (int64_t j = 0; j < n; ++j) {
           const int64_t slot = slot0 + j;
           widen(vc + slot * row_len, row.data(), row_len, lut);
@@ -138,11 +125,6 @@ inline __m512 widen16(const uint8_t* e, const float* lut) {
   return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e))), lut, 4);
 }
 
-inline void prefetch_rows(const void* base, int64_t first, int64_t n, int64_t stride) {
-  const char* p = static_cast<const char*>(base) + first * stride;
-  for (int64_t j = 0; j < n; ++j) _mm_prefetch(p + j * stride, _MM_HINT_T0);
-}
-
 // The same arithmetic as attend, one work item per (query row, kv head, run of up to NG of its query
 // heads): each cached K/V row of the kv head (DIM elements, 64 or 128 bytes) is widened in registers
 // once for the NG heads, the NG accumulators stay in registers, and the next block's rows are
@@ -157,9 +139,7 @@ void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const
   alignas(64) float qf[NG][DIM];
   for (int g = 0; g < NG; ++g)
     for (int64_t d = 0; d < DIM; ++d) qf[g][d] = to_float(q[r * q_row_stride + (h0 + g) * q_head_stride + d]) * sh.scale;
-  __m512 acc[NG][C];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  alignas(64) float acc[NG][DIM] = {};
   float m[NG], l[NG];
   for (int g = 0; g < NG; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
   const int64_t start = sh.window > 0 ? std::max<int64_t>(0, len - sh.window) : 0;
@@ -167,14 +147,12 @@ void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const
   for (int64_t bi = start / bs; bi <= last; ++bi) {
     const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
     const int64_t slot0 = static_cast<int64_t>(table[bi]) * bs + (p0 - bi * bs);
-    if (bi < last) {
-      const int64_t next = static_cast<int64_t>(table[bi + 1]) * bs;
-      prefetch_rows(kc + kh * DIM, next, std::min(bs, len - (bi + 1) * bs), row_len);
-      prefetch_rows(vc + kh * DIM, next, std::min(bs, len - (bi + 1) * bs), row_len);
-    }
+    // the next block's rows at the same place, one with each row's loads (as attend_i16)
+    const int64_t ahead = (bi < last ? static_cast<int64_t>(table[bi + 1]) * bs + (p0 - bi * bs) : slot0) - slot0;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = slot0 + j;
       const E* kr = kc + slot * row_len + kh * DIM;
+      _mm_prefetch(reinterpret_cast<const char*>(kr + ahead * row_len), _MM_HINT_T0);
       __m512 kf[C];
       for (int c = 0; c < C; ++c) kf[c] = widen16(kr + c * 16, lut);
       const float kscale = ks[slot * hk + kh];
@@ -184,38 +162,25 @@ void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const
         s[g * bs + j] = _mm512_reduce_add_ps(t) * kscale;
       }
     }
-    for (int g = 0; g < NG; ++g) {  // online softmax over the block
-      float* sg = s + g * bs;
-      float bmax = m[g];
-      for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sg[j]);
-      const float corr = tokenmill::exp_approx(m[g] - bmax);
-      m[g] = bmax;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        sg[j] = tokenmill::exp_approx(sg[j] - bmax);
-        sum += sg[j];
-      }
-      l[g] = l[g] * corr + sum;
-      const __m512 cv = _mm512_set1_ps(corr);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
-    }
+    tokenmill::softmax_block(s, bs, n, NG, DIM, m, l, acc[0]);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = slot0 + j;
       const E* vr = vc + slot * row_len + kh * DIM;
+      _mm_prefetch(reinterpret_cast<const char*>(vr + ahead * row_len), _MM_HINT_T0);
       __m512 vf[C];
       for (int c = 0; c < C; ++c) vf[c] = widen16(vr + c * 16, lut);
       const float vscale = vs[slot * hk + kh];
       for (int g = 0; g < NG; ++g) {
         const __m512 pv = _mm512_set1_ps(s[g * bs + j] * vscale);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vf[c], acc[g][c]);
+        for (int c = 0; c < C; ++c)
+          _mm512_store_ps(acc[g] + c * 16, _mm512_fmadd_ps(pv, vf[c], _mm512_load_ps(acc[g] + c * 16)));
       }
     }
   }
   for (int g = 0; g < NG; ++g) {
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
     alignas(64) float o[DIM];
-    for (int c = 0; c < C; ++c) _mm512_store_ps(o + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv)));
+    for (int c = 0; c < C; ++c) _mm512_store_ps(o + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + c * 16), _mm512_set1_ps(inv)));
     T* dst = out + (r * sh.hq + h0 + g) * DIM;
     for (int64_t d = 0; d < DIM; ++d) dst[d] = static_cast<T>(o[d]);
   }

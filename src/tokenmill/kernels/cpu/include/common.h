@@ -27,6 +27,30 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+// Online softmax over one block: folds the block's raw scores s[h * bs + j] (j < n) into each
+// head's running max m and sum l, rescales its accumulator acc[h * dim ...], and leaves the
+// block's unnormalised probabilities in s.
+inline void softmax_block(float* s, int64_t bs, int64_t n, int64_t hq, int64_t dim, float* m, float* l,
+                          float* acc) {
+  for (int64_t h = 0; h < hq; ++h) {
+    float* sh = s + h * bs;
+    float bmax = m[h];
+    for (int64_t j = 0; j < n; ++j) bmax = std::max(bmax, sh[j]);
+    const float corr = exp_approx(m[h] - bmax);
+    m[h] = bmax;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      sh[j] = exp_approx(sh[j] - bmax);
+      sum += sh[j];
+    }
+    l[h] = l[h] * corr + sum;
+    float* a = acc + h * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
+  }
+}
+
 inline float bf16_bits_to_f32(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
