@@ -205,17 +205,18 @@ class CpuBackend(SdpaBackend):
                            kv_scales: KVScales) -> torch.Tensor:
         """A quantized cache: decodes and short chunks row by row in one C++ call that reads the cache in
         place; chunks of QUANT_SDPA_MIN_ROWS rows or more through SDPA over their dequantized context."""
-        tables, lens = _row_tables(meta)
         window = meta.sliding_window or 0
         chunks, rows = _quant_split(meta)
         if not chunks:
+            tables, lens = _row_tables(meta)
             out: torch.Tensor = self.ops.paged_attention_quant(q, k_cache, v_cache, kv_scales.k, kv_scales.v, tables,
                                                                 lens, scale, window)
             return out
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if rows is not None:
             out[rows] = self.ops.paged_attention_quant(q[rows], k_cache, v_cache, kv_scales.k, kv_scales.v,
-                                                       tables[rows], lens[rows], scale, window)
+                                                       meta.extra["quant_tables"], meta.extra["quant_lens"], scale,
+                                                       window)
         qsl = meta.query_start_loc
         for b in chunks:
             s, e = qsl[b], qsl[b + 1]
@@ -254,17 +255,22 @@ def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quant_split(meta: AttentionMetadata) -> tuple[list[int], torch.Tensor | None]:
     """Over a quantized cache: the prefill chunks (sequence indices) of QUANT_SDPA_MIN_ROWS query rows or
-    more, and the query rows of everything else (None where there are none); built once per step."""
+    more, and the query rows of everything else (None where there are none); where there are such chunks,
+    those rows' block tables and context lengths (`quant_tables`, `quant_lens`). Built once per step."""
     if "quant_chunks" not in meta.extra:
         qsl = meta.query_start_loc
         chunks = [b for b in range(meta.num_decodes, meta.num_seqs) if qsl[b + 1] - qsl[b] >= QUANT_SDPA_MIN_ROWS]
-        keep = torch.ones(qsl[meta.num_seqs], dtype=torch.bool)
-        for b in chunks:
-            keep[qsl[b]:qsl[b + 1]] = False
         meta.extra["quant_chunks"] = torch.tensor(chunks, dtype=torch.int64)
-        meta.extra["quant_rows"] = keep.nonzero().flatten()
-    rows = meta.extra["quant_rows"]
-    return meta.extra["quant_chunks"].tolist(), rows if rows.numel() else None
+        if chunks:
+            keep = torch.ones(qsl[meta.num_seqs], dtype=torch.bool)
+            for b in chunks:
+                keep[qsl[b]:qsl[b + 1]] = False
+            rows = keep.nonzero().flatten()
+            tables, lens = _row_tables(meta)
+            meta.extra["quant_rows"] = rows
+            meta.extra["quant_tables"], meta.extra["quant_lens"] = tables[rows], lens[rows]
+    kept = meta.extra.get("quant_rows")
+    return meta.extra["quant_chunks"].tolist(), kept if kept is not None and kept.numel() else None
 
 
 def _prepare_gather(meta: AttentionMetadata, device: torch.device) -> None:

@@ -125,10 +125,19 @@ inline __m512 widen16(const uint8_t* e, const float* lut) {
   return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e))), lut, 4);
 }
 
+// The kv head's row at slot (DIM elements) widened into f; the row `ahead` slots on is prefetched beside it
+template <typename E, int64_t DIM>
+inline void load_row(const E* cache, int64_t slot, int64_t ahead, int64_t row_len, int64_t kh, const float* lut,
+                     __m512* f) {
+  const E* row = cache + slot * row_len + kh * DIM;
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead * row_len), _MM_HINT_T0);
+  for (int c = 0; c < DIM / 16; ++c) f[c] = widen16(row + c * 16, lut);
+}
+
 // The same arithmetic as attend, one work item per (query row, kv head, run of up to NG of its query
 // heads): each cached K/V row of the kv head (DIM elements, 64 or 128 bytes) is widened in registers
-// once for the NG heads, the NG accumulators stay in registers, and the next block's rows are
-// prefetched while this one is worked on (blocks live anywhere in the pool).
+// once for the NG heads, and the next block's row at the same place is prefetched with each row (blocks
+// live anywhere in the pool).
 template <typename T, typename E, int64_t DIM, int NG>
 void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const E* kc, const E* vc,
                   const float* ks, const float* vs, const int32_t* table, int64_t len, int64_t r, int64_t kh,
@@ -151,10 +160,8 @@ void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const
     const int64_t ahead = (bi < last ? static_cast<int64_t>(table[bi + 1]) * bs + (p0 - bi * bs) : slot0) - slot0;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = slot0 + j;
-      const E* kr = kc + slot * row_len + kh * DIM;
-      _mm_prefetch(reinterpret_cast<const char*>(kr + ahead * row_len), _MM_HINT_T0);
       __m512 kf[C];
-      for (int c = 0; c < C; ++c) kf[c] = widen16(kr + c * 16, lut);
+      load_row<E, DIM>(kc, slot, ahead, row_len, kh, lut, kf);
       const float kscale = ks[slot * hk + kh];
       for (int g = 0; g < NG; ++g) {
         __m512 t = _mm512_mul_ps(kf[0], _mm512_load_ps(qf[g]));
@@ -165,10 +172,8 @@ void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const
     tokenmill::softmax_block(s, bs, n, NG, DIM, m, l, acc[0]);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = slot0 + j;
-      const E* vr = vc + slot * row_len + kh * DIM;
-      _mm_prefetch(reinterpret_cast<const char*>(vr + ahead * row_len), _MM_HINT_T0);
       __m512 vf[C];
-      for (int c = 0; c < C; ++c) vf[c] = widen16(vr + c * 16, lut);
+      load_row<E, DIM>(vc, slot, ahead, row_len, kh, lut, vf);
       const float vscale = vs[slot * hk + kh];
       for (int g = 0; g < NG; ++g) {
         const __m512 pv = _mm512_set1_ps(s[g * bs + j] * vscale);
