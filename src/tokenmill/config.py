@@ -69,7 +69,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # while requests of a higher priority class are in the engine, the tokens a step that the requests of
     # lower classes (Batch API lines) get together on average, decode rows and prefill chunks alike
-    lower_class_step_tokens: int = 16
+    lower_class_step_tokens: int = 32
     # whether a request whose sampled token is still in flight may be scheduled again (the token a
     # placeholder the workers fill in); False under pipeline parallelism, where the steps in flight then
     # hold different requests and the first stage never waits for a token the last has not sampled
@@ -245,12 +245,13 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, "the most sequences running at once")
     max_num_batched_tokens: int = _arg(2048, "the most tokens one step computes; longer prompts are prefilled "
                                              "in chunks")
-    batch_step_tokens: int = _arg(16, "while interactive requests are in the engine, the tokens a step that "
-                                     "Batch API lines get together on average (decode rows in every step, "
-                                     "prefill chunks in steps that carry an interactive prefill or in one step "
-                                     "every 8 that spends the saved share), so that they add little to the "
-                                     "interactive requests' step time; with no interactive request in the "
-                                     "engine they get the whole step")
+    batch_step_tokens: int = _arg(32, "while interactive requests are in the engine, the prompt tokens a step "
+                                     "that Batch API lines get together on average (their prefill chunks go "
+                                     "into steps that carry an interactive prefill or into one step every 8 "
+                                     "that spends the saved share; their decode rows go into every step and "
+                                     "are not counted), so that they add little to the interactive requests' "
+                                     "step time; with no interactive request in the engine they get the "
+                                     "whole step")
     device: str = _arg("auto", "auto, cpu or cuda; auto: cuda if torch sees a CUDA GPU")
     num_threads: int | None = _arg(None, "CPU compute threads, all ranks' together (each rank "
                                          "takes its share; default: one per CPU this process may use; "

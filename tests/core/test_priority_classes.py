@@ -129,35 +129,48 @@ def test_priority_orders_within_the_batch_class() -> None:
 
 
 def test_batch_lines_get_their_share_of_a_step_while_interactive_requests_run() -> None:
-    # budget 64, lower classes' share 3: while i0 is in the engine the batch lines take 3 tokens a step on
-    # average; while i0 only decodes, their prefill chunks wait (the step stays pure decode) until 8 steps'
-    # share (24) is saved, then go in one step; their decode rows go into every step. Once i0 is done they
-    # get the whole budget.
-    sched = make_scheduler(lower_share=3)
+    # budget 64, lower classes' share 3: while i0 is in the engine the batch lines' prefill chunks take 3
+    # tokens a step on average; while i0 only decodes, they wait (the step stays pure decode) until 8 steps'
+    # share (24) is saved, then go in one step. Their decode rows are not charged to the share and go into
+    # every step. Once i0 is done they get the whole budget.
+    sched = make_scheduler(num_blocks=96, lower_share=3, max_model_len=256)
     runner = FakeRunner(4)
-    prompts = {"b0": [3] * 40, "b1": [4] * 60, "i0": [5] * 6}
-    sched.add_request(make("b0", prompts["b0"], 0.0, cls=BATCH, group="A", max_tokens=12))
-    sched.add_request(make("b1", prompts["b1"], 1.0, cls=BATCH, group="A", max_tokens=12))
-    sched.add_request(make("i0", prompts["i0"], 2.0, max_tokens=30))
+    prompts = {"b0": [3] * 6, "b1": [4] * 150, "i0": [5] * 6}
+    max_tokens = {"b0": 40, "b1": 4, "i0": 40}
+    sched.add_request(make("b0", prompts["b0"], 0.0, cls=BATCH, group="A", max_tokens=max_tokens["b0"]))
+    sched.add_request(make("b1", prompts["b1"], 1.0, cls=BATCH, group="A", max_tokens=max_tokens["b1"]))
+    sched.add_request(make("i0", prompts["i0"], 2.0, max_tokens=max_tokens["i0"]))
     results: dict[str, Result] = {}
-    shares: list[int] = []
+    done = {"b0": 0, "b1": 0}  # each batch line's tokens scheduled so far
+    prefill: list[int] = []  # the batch lines' prompt tokens in each step
+    decoding = 0
     while "i0" in sched.requests:
+        live = set(sched.requests)
         so = step(sched, runner, results)
-        assert so.num_scheduled_tokens.get("i0") == (6 if not shares else 1)  # never held back
-        batch = {rid: so.num_scheduled_tokens.get(rid, 0) for rid in ("b0", "b1")}
-        shares.append(sum(batch.values()))
-        if shares[1:] and shares[-1] > 2:  # a step with a batch prefill chunk beside i0's decode row
-            assert shares[-1] <= 24 and all(s <= 2 for s in shares[-8:-1]), shares  # the burst: 8 steps saved up
-    assert shares[0] == 3  # i0's prefill step takes the share's prefill chunk too
-    assert sum(shares) <= 3 * len(shares), shares
-    bursts = [i for i, n in enumerate(shares) if i and n > 2]
-    assert len(bursts) >= 3, shares  # they progress while i0 runs
-    assert sum(n == 0 for n in shares) >= 10, shares  # steps left pure decode
+        assert so.num_scheduled_tokens.get("i0") == (6 if not prefill else 1)  # never held back
+        chunk = 0
+        for rid in done:
+            n = so.num_scheduled_tokens.get(rid, 0)
+            if done[rid] >= len(prompts[rid]) and rid in live:  # a decode row, in every step till it ends
+                assert n == 1, (rid, so.num_scheduled_tokens)
+                decoding += 1
+            else:
+                chunk += n
+            done[rid] += n
+        prefill.append(chunk)
+        if prefill[1:] and chunk:  # a step with a batch prefill chunk beside i0's decode row
+            assert chunk <= 24 and not any(prefill[-8:-1]), prefill  # the burst: 8 steps saved up
+    assert prefill[0] == 3  # i0's prefill step takes the share's prefill chunk too
+    assert done["b1"] < len(prompts["b1"])  # (so the share always had prefill work to take)
+    assert decoding >= 30, decoding
+    # the share went to prefill chunks, all but what was saved up at the end: b0's decode rows took none of it
+    assert 3 * len(prefill) - 24 <= sum(prefill) <= 3 * len(prefill), prefill
+    assert sum(n == 0 for n in prefill) >= 20, prefill  # steps left pure decode
     so = step(sched, runner, results)
     assert so.num_scheduled_tokens.get("b0", 0) + so.num_scheduled_tokens.get("b1", 0) > 3
     drive(sched, runner, results)
     for rid, prompt in prompts.items():  # chunked as the share allows, the tokens are still exact
-        assert results[rid].token_ids == reference(prompt, 12 if rid[0] == "b" else 30, 64), rid
+        assert results[rid].token_ids == reference(prompt, max_tokens[rid], 256), rid
     assert_all_free(sched)
 
 

@@ -5,14 +5,15 @@ with a second KV tier: core/kv_tiering.py, which also loads prefix blocks the fi
 Priority classes (`Request.priority_class`): interactive requests come before batch ones in the waiting
 queue and in each step's budget; a waiting request of a higher class takes the seat and the blocks of a
 running request of a lower class (which is preempted), and under KV pressure the lowest class is
-preempted first. While a higher class has requests in the engine, the lower classes together get
-`lower_class_step_tokens` a step on average (decode rows and prefill chunks alike), so that their work adds
-little to the higher class's step time. A pure-decode step runs on the fused decode path and any prefill
-chunk takes it off that path, so the lower classes' prefill chunks go only into steps that carry a higher
-class's prefill anyway, or, once the lower classes' unspent share has grown to `LOWER_CLASS_BURST_STEPS`
-steps' worth, into one step that spends it; their decode rows go into every step. Within a class, vLLM's
-`priority` (lower first) orders requests, then requests of different groups (batches) take turns (start-
-time fair queuing over each group's count of requests), then arrival.
+preempted first. While a higher class has requests in the engine, the lower classes' prefill chunks together
+get `lower_class_step_tokens` a step on average, so that their work adds little to the higher class's step
+time. A pure-decode step runs on the fused decode path and any prefill chunk takes it off that path, so the
+lower classes' prefill chunks go only into steps that carry a higher class's prefill anyway, or, once the
+lower classes' unspent share has grown to `LOWER_CLASS_BURST_STEPS` steps' worth, into one step that spends
+it. Their decode rows go into every step and are not charged to the share: a row more on the fused path
+costs the step little, and a share they used up would leave none for the prefills that admit new lines.
+Within a class, vLLM's `priority` (lower first) orders requests, then requests of different groups (batches)
+take turns (start-time fair queuing over each group's count of requests), then arrival.
 
 Speculative decoding: a request's draft tokens (proposed by the workers with the step before's
 output) are scheduled as extra inputs after its last token, and the workers return the drafts they
@@ -194,17 +195,22 @@ class Scheduler:
         """The tokens the request has to compute to reach its end (1 for a decode row)."""
         return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
 
+    def _is_prefill(self, req: Request) -> bool:
+        """Whether the request's next tokens are a prefill chunk (not one decode row, drafts or not)."""
+        return not req.spec_token_ids and self._remaining(req) > 1
+
     def _lower_class_share(self, top: int) -> tuple[int, bool]:
-        """The tokens the classes below `top` get in this step together, and whether they may take prefill
-        chunks in it: in a step that carries a prefill chunk of the top class anyway, or once their unspent
-        share has reached LOWER_CLASS_BURST_STEPS steps' worth (then they get all of it); else decode rows only."""
+        """The prompt tokens the classes below `top` get in this step together, and whether they may take
+        prefill chunks in it: in a step that carries a prefill chunk of the top class anyway, or once their
+        unspent share has reached LOWER_CLASS_BURST_STEPS steps' worth (then they get all of it); else decode
+        rows only."""
         share = self.config.lower_class_step_tokens
         # running (sorted by class at the step's start) and waiting keep their lowest class last
         if max((q[-1].priority_class for q in (self.running, self.waiting) if q), default=top) == top:
             self._lower_credit = 0
             return share, True
         self._lower_credit = min(self._lower_credit + share, LOWER_CLASS_BURST_STEPS * share)  # >= share
-        top_prefill = any(not r.spec_token_ids and self._remaining(r) > 1
+        top_prefill = any(self._is_prefill(r)
                           for r in itertools.takewhile(lambda r: r.priority_class == top, self.running))
         top_prefill = top_prefill or bool(self.waiting and self.waiting[0].priority_class == top
                                           and len(self.running) < self.config.max_num_seqs)
@@ -233,9 +239,9 @@ class Scheduler:
         lower_start = lower_left
 
         def allowed(req: Request) -> int:
-            if req.priority_class == top:
-                return budget
-            if not lower_prefill and not req.spec_token_ids and self._remaining(req) > 1:
+            if req.priority_class == top or not self._is_prefill(req):
+                return budget  # decode rows of the lower classes are not charged to their share
+            if not lower_prefill:
                 return 0  # a prefill chunk would take a pure-decode step off the fused path
             return min(budget, lower_left)
 
@@ -262,9 +268,9 @@ class Scheduler:
             if new_block_ids is None:
                 continue  # req itself was preempted; self.running shrank at index i
             num_scheduled[req.request_id] = n
-            budget -= n
-            if req.priority_class != top:
+            if req.priority_class != top and self._is_prefill(req):
                 lower_left -= n
+            budget -= n
             if drafts:
                 spec[req.request_id] = drafts
             if req.spec_token_ids:
@@ -309,9 +315,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_scheduled[req.request_id] = n
-            budget -= n
-            if req.priority_class != top:
+            if req.priority_class != top and self._is_prefill(req):
                 lower_left -= n
+            budget -= n
             if req.request_id in self._seen_by_workers:
                 cached_reqs.append(self._cached_data(req, self.kv.block_ids(req.request_id)))
             else:
