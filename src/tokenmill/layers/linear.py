@@ -207,6 +207,34 @@ def packing_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def onednn_rows(m: int) -> int:
+    """The row count a oneDNN product of m rows runs with: m up to 16, else m rounded up to a multiple of an
+    eighth of the largest power of two below m (at most 1/8 more rows). oneDNN builds a kernel for each row
+    count it meets and caches it with a scratchpad of rows x K, so the exact counts of a server's varied steps
+    would each cost a build and grow the process without a useful bound; rounded, a weight shape meets at most
+    8 counts per power of two. kernels/cpu/linear/gemv.cpp's `onednn_rows` is the same function."""
+    if m <= 16:
+        return m
+    step = 1 << ((m - 1).bit_length() - 4)
+    return -(-m // step) * step
+
+
+def in_onednn_rows(product: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """product(rows) for rows [m, K] -> [m, N], run on rows padded with zero rows to onednn_rows(m)."""
+    m = rows.shape[0]
+    padded = onednn_rows(m)
+    if padded == m:
+        return product(rows)
+    return product(F.pad(rows, (0, 0, 0, padded - m)))[:m]
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times a packed weight by oneDNN, in onednn_rows row counts."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = in_onednn_rows(lambda r: torch.ops.mkldnn._linear_pointwise(r, weight, bias, "none", [], ""), rows)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight reordered once into oneDNN's packed layout (the one chosen for batch 1 runs large
     batches at full speed too)."""
@@ -266,8 +294,7 @@ class UnquantizedLinearMethod:
             rows = x.reshape(-1, layer.input_size).contiguous()
             y: torch.Tensor = layer.gemv_ops.packed_gemv(rows, layer.weight, layer.bias)
             return y.view(*x.shape[:-1], layer.output_size)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
-        return out
+        return onednn_linear(x, layer.weight, layer.bias)
 
     @staticmethod
     def gemv_data_ptr(layer: LinearBase) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod, in_onednn_rows
 from tokenmill.layers.quantization import formats
 from tokenmill.layers.quantization import reference as ref
 from tokenmill.quantization_config import QuantConfig
@@ -158,17 +158,21 @@ class QuantizedLinearMethod:
             if kernels is not None and rows.shape[0] > W8A8_VNNI_MAX_ROWS and hasattr(layer, "onednn_qweight"):
                 # the same integer products by oneDNN, each row's scale after
                 xq, xs = kernels.quantize_rows_int8(rows.contiguous())
-                dots = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, layer.onednn_qweight, scales,
-                                                          layer.__dict__["onednn_zero"], None, 1.0, 0, torch.float32,
-                                                          "none", [], "")
+                dots = in_onednn_rows(lambda r: torch.ops.onednn.qlinear_pointwise(
+                    r, 1.0, 0, layer.onednn_qweight, scales, layer.__dict__["onednn_zero"], None, 1.0, 0,
+                    torch.float32, "none", [], ""), xq)
                 y = kernels.scale_rows(dots, xs, bias, rows.dtype)
             else:
                 y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
                      else ref.w8a8_ref(rows, q, scales, k, bias))
         elif kernels is None or rows.shape[0] > KERNEL_MAX_ROWS:
-            y = ref.linear_ref(rows if layout.input_perm is None else rows[:, layout.input_perm],
-                               self.dequantized_weight(layer) if layout.input_perm is None
-                               else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size), bias)
+            w = (self.dequantized_weight(layer) if layout.input_perm is None
+                 else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size))
+            x_in = rows if layout.input_perm is None else rows[:, layout.input_perm]
+            if kernels is not None and rows.dtype == torch.bfloat16:  # oneDNN's bf16 product: see in_onednn_rows
+                y = in_onednn_rows(lambda r: ref.linear_ref(r, w, bias), x_in)
+            else:
+                y = ref.linear_ref(x_in, w, bias)
         elif layout.scheme == "int8":
             y = kernels.int8_linear(rows, q, scales, _t(layer, "weight_sum"), bias)
         else:

@@ -73,10 +73,12 @@ at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const
   }
   static const c10::OperatorHandle onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, w, bias, c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(),
-                          c10::string_view("")};
+  const int64_t m = x.size(0), padded = tokenmill::onednn_rows(m);  // zero rows up to oneDNN's row count
+  torch::jit::Stack stack{padded == m ? x : at::constant_pad_nd(x, {0, 0, 0, padded - m}), w, bias,
+                          c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
   onednn.callBoxed(&stack);
-  return stack.at(0).toTensor();
+  const at::Tensor y = stack.at(0).toTensor();
+  return padded == m ? y : y.narrow(0, 0, m);
 }
 
 // A projection's kind in linear_kinds (kind, in_features, group per projection): what QuantizedLinearMethod.apply

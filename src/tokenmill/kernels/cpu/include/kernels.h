@@ -30,6 +30,9 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_s
 // bytes of a [N, K] bf16 weight packed by oneDNN as AB16b64a2b (N padded to 64, K to 32)
 int64_t packed_gemv_bytes(int64_t N, int64_t K);
 
+// The row count a oneDNN product of m rows runs with (layers/linear.py's onednn_rows, which says why): m up
+// to 16, else m rounded up to a multiple of an eighth of the largest power of two below m
+int64_t onednn_rows(int64_t m);
 // The most rows of in_features columns for which packed_gemv_at is the kernel to use (beyond them,
 // oneDNN's on the same packed weight is faster); 0 where it is not built
 int64_t packed_gemv_max_rows(int64_t in_features);

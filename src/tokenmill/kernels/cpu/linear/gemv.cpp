@@ -255,7 +255,16 @@ at::Tensor tokenmill::packed_gemv_at(const uint16_t*, const at::Tensor&, int64_t
 
 #endif
 
+int64_t tokenmill::onednn_rows(int64_t m) {
+  if (m <= 16) return m;
+  int64_t top = 1;  // the largest power of two below m
+  while (2 * top < m) top *= 2;
+  const int64_t step = top / 8;
+  return (m + step - 1) / step * step;
+}
+
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("onednn_rows(int rows) -> int", &tokenmill::onednn_rows);
   m.def("has_packed_gemv() -> bool", &has_packed_gemv);
   m.def("packed_gemv_max_rows(int in_features) -> int", &tokenmill::packed_gemv_max_rows);
   m.def("gemv_sees_amx_bf16() -> bool", &tokenmill::amx_bf16_permitted);  // whether packed_gemv_max_rows yields to AMX
