@@ -67,8 +67,8 @@ class SchedulerConfig:
     max_model_len: int
     # schedule step N+1 while step N runs (the engine core keeps up to two steps in flight)
     async_scheduling: bool = False
-    # while requests of a higher priority class are in the engine, the tokens a step that the requests of
-    # lower classes (Batch API lines) get together on average, decode rows and prefill chunks alike
+    # while requests of a higher priority class are in the engine, the prompt tokens a step that the requests
+    # of lower classes (Batch API lines) get together on average (their decode rows are not counted)
     lower_class_step_tokens: int = 32
     # whether a request whose sampled token is still in flight may be scheduled again (the token a
     # placeholder the workers fill in); False under pipeline parallelism, where the steps in flight then
