@@ -158,29 +158,30 @@ void attend_heads(const T* q, int64_t q_row_stride, int64_t q_head_stride, const
     const int64_t slot0 = static_cast<int64_t>(table[bi]) * bs + (p0 - bi * bs);
     // the next block's rows at the same place, one with each row's loads (as attend_i16)
     const int64_t ahead = (bi < last ? static_cast<int64_t>(table[bi + 1]) * bs + (p0 - bi * bs) : slot0) - slot0;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t slot = slot0 + j;
-      __m512 kf[C];
-      load_row<E, DIM>(kc, slot, ahead, row_len, kh, lut, kf);
-      const float kscale = ks[slot * hk + kh];
+    // body(j, the block's j-th row of cache widened to float, its scale) over the block's rows
+    auto each_row = [&](const E* cache, const float* scales, auto&& body) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = slot0 + j;
+        __m512 f[C];
+        load_row<E, DIM>(cache, slot, ahead, row_len, kh, lut, f);
+        body(j, f, scales[slot * hk + kh]);
+      }
+    };
+    each_row(kc, ks, [&](int64_t j, const __m512* kf, float kscale) {
       for (int g = 0; g < NG; ++g) {
         __m512 t = _mm512_mul_ps(kf[0], _mm512_load_ps(qf[g]));
         for (int c = 1; c < C; ++c) t = _mm512_fmadd_ps(kf[c], _mm512_load_ps(qf[g] + c * 16), t);
         s[g * bs + j] = _mm512_reduce_add_ps(t) * kscale;
       }
-    }
+    });
     tokenmill::softmax_block(s, bs, n, NG, DIM, m, l, acc[0]);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t slot = slot0 + j;
-      __m512 vf[C];
-      load_row<E, DIM>(vc, slot, ahead, row_len, kh, lut, vf);
-      const float vscale = vs[slot * hk + kh];
+    each_row(vc, vs, [&](int64_t j, const __m512* vf, float vscale) {
       for (int g = 0; g < NG; ++g) {
         const __m512 pv = _mm512_set1_ps(s[g * bs + j] * vscale);
         for (int c = 0; c < C; ++c)
           _mm512_store_ps(acc[g] + c * 16, _mm512_fmadd_ps(pv, vf[c], _mm512_load_ps(acc[g] + c * 16)));
       }
-    }
+    });
   }
   for (int g = 0; g < NG; ++g) {
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
