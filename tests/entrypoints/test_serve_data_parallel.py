@@ -87,8 +87,10 @@ def test_two_replicas(llama_dir: str) -> None:
             while not idle(http.get("/metrics").text):
                 assert time.monotonic() < deadline, "aborted requests still run"
                 time.sleep(0.1)
-            # the replicas' steps stopped them: not both ran to their 500 tokens
-            assert decode_tokens(http) - decoded < 500, (decoded, decode_tokens(http))  # (LONG's max_tokens)
+            # the replicas' steps stopped them: not both ran to their 500 tokens (LONG's max_tokens). How
+            # many each decoded first is the time its abort took to reach its replica, which a loaded
+            # 2-core host stretches to hundreds of steps; only requests never aborted decode all 2 x 500.
+            assert decode_tokens(http) - decoded < 2 * 500, (decoded, decode_tokens(http))
     finally:
         assert srv.stop() == 0
 
