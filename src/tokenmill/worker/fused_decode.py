@@ -93,7 +93,7 @@ class FusedDecode:
             weights += [layer.input_norm, w[0], bias, w[1], layer.post_norm, *mlp]
             ptrs += [_gemv_ptr(m) for m in _projections(layer)]
             for f in fused:
-                quant += list(f.quant) if f is not None else [empty, empty]
+                quant += list(f.quant) if f is not None else [empty] * 4
                 kinds += list(f.kind) if f is not None else [0, 0, 0]
                 self._take_rows(f)
         self.gemv_ptrs = torch.tensor(ptrs, dtype=torch.int64)

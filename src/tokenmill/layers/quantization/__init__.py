@@ -192,8 +192,12 @@ class FusedProjection:
     """What the fused decode loop calls for one quantized layer: the op `apply` calls, on these tensors."""
 
     weight: torch.Tensor
-    quant: tuple[torch.Tensor, torch.Tensor]  # scales, and the row sums (int8, W8A8) or zero points (int4)
-    kind: tuple[int, int, int]  # FUSED_KINDS[scheme], in_features, group
+    # scales; the row sums (int8, W8A8) or zero points (int4); W8A8's oneDNN-packed weight and zero points
+    # (empty tensors elsewhere)
+    quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    # FUSED_KINDS[scheme], in_features, and int4's group or the most rows W8A8 gives its VNNI kernel (oneDNN's
+    # int8 matmul beyond, where the layer has its packed weight)
+    kind: tuple[int, int, int]
     max_rows: int | None  # the most rows `apply` gives to that op (beyond them, the torch reference)
 
 
@@ -207,11 +211,14 @@ def fused_projection(layer: LinearBase) -> FusedProjection | None:
     if layout.input_perm is not None:
         return None
     aux = _t(layer, "zeros") if layout.scheme == "int4" else _t(layer, "weight_sum")
-    max_rows: int | None = KERNEL_MAX_ROWS
-    if layout.scheme == "w8a8":
-        max_rows = W8A8_VNNI_MAX_ROWS if hasattr(layer, "onednn_qweight") else None
-    return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux),
-                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size), max_rows)
+    empty = aux.new_empty(0)
+    if layout.scheme == "w8a8":  # every row count, as apply runs it
+        onednn = ((layer.onednn_qweight, layer.__dict__["onednn_zero"]) if hasattr(layer, "onednn_qweight")
+                  else (empty, empty))
+        return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux, *onednn),
+                               (FUSED_KINDS["w8a8"], layer.input_size, W8A8_VNNI_MAX_ROWS), None)
+    return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux, empty, empty),
+                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size), KERNEL_MAX_ROWS)
 
 
 def reference_method(cfg: QuantConfig) -> QuantizedLinearMethod:

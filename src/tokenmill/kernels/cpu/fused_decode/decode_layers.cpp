@@ -43,6 +43,8 @@ using W8A8Linear = at::Tensor(T, T, T, T, int64_t, const OptTensor&);
 using WriteKvQuant = void(T, T, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, T);
 using AttentionQuant = at::Tensor(T, T, T, T, T, T, T, double, int64_t);
 using ArgmaxRowsMasked = at::Tensor(T, T);
+using QuantizeRowsInt8 = std::tuple<at::Tensor, at::Tensor>(T);
+using ScaleRows = at::Tensor(T, T, const OptTensor&, at::ScalarType);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
@@ -57,6 +59,9 @@ struct Ops {
       find_op<AttentionQuant>("tokenmill_cpu::paged_attention_quant");
   c10::TypedOperatorHandle<ArgmaxRowsMasked> argmax_rows_masked =
       find_op<ArgmaxRowsMasked>("tokenmill_cpu::argmax_rows_masked");
+  c10::TypedOperatorHandle<QuantizeRowsInt8> quantize_rows_int8 =
+      find_op<QuantizeRowsInt8>("tokenmill_cpu::quantize_rows_int8");
+  c10::TypedOperatorHandle<ScaleRows> scale_rows = find_op<ScaleRows>("tokenmill_cpu::scale_rows");
 };
 
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
@@ -81,15 +86,16 @@ at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const
   return padded == m ? y : y.narrow(0, 0, m);
 }
 
-// A projection's kind in linear_kinds (kind, in_features, group per projection): what QuantizedLinearMethod.apply
-// calls for it (kernels/cpu/linear/quantized.cpp), with scales and aux (int8, W8A8: the weight's row sums;
-// int4: the zero points) from the quant list
+// A projection's kind in linear_kinds (kind, in_features, and int4's group or W8A8's most rows for its VNNI
+// kernel per projection): what QuantizedLinearMethod.apply calls for it (kernels/cpu/linear/quantized.cpp),
+// with scales and aux (int8, W8A8: the weight's row sums; int4: the zero points), and W8A8's oneDNN-packed
+// weight and zero points (empty where it has none) from the quant list
 enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kW8A8 = 3 };
-constexpr int64_t KIND_FIELDS = 3, QUANT_PER_PROJECTION = 2;
+constexpr int64_t KIND_FIELDS = 3, QUANT_PER_PROJECTION = 4;
 
 struct Projection {
   const int64_t* kind;    // null: every projection is a packed bf16 weight
-  const at::Tensor* quant;  // scales, aux
+  const at::Tensor* quant;  // scales, aux, oneDNN weight, oneDNN zero points
 };
 
 const Ops& ops() {
@@ -97,12 +103,31 @@ const Ops& ops() {
   return instance;
 }
 
+// W8A8 beyond its VNNI kernel's rows, as QuantizedLinearMethod.apply runs it: each row quantized, oneDNN's
+// int8 matmul (its row count rounded as in linear), each row's scale after
+at::Tensor w8a8_onednn(const Ops& op, const at::Tensor& x, const at::Tensor& scales, const at::Tensor& packed,
+                       const at::Tensor& zeros, const OptTensor& bias) {
+  static const c10::OperatorHandle qlinear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  const auto [xq, xs] = op.quantize_rows_int8.call(x.contiguous());
+  const int64_t m = xq.size(0), padded = tokenmill::onednn_rows(m);
+  torch::jit::Stack stack{padded == m ? xq : at::constant_pad_nd(xq, {0, 0, 0, padded - m}), 1.0, int64_t{0},
+                          packed, scales, zeros, c10::IValue(), 1.0, int64_t{0}, at::ScalarType::Float,
+                          c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
+  qlinear.callBoxed(&stack);
+  const at::Tensor dots = stack.at(0).toTensor();
+  return op.scale_rows.call(padded == m ? dots : dots.narrow(0, 0, m).contiguous(), xs, bias, x.scalar_type());
+}
+
 at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                    int64_t w_ptr, const Projection& p) {
   switch (p.kind ? p.kind[0] : kFloat) {
     case kInt8: return op.int8_linear.call(x, w, p.quant[0], p.quant[1], bias);
     case kInt4: return op.int4_linear.call(x, w, p.quant[0], p.quant[1], p.kind[1], p.kind[2], bias);
-    case kW8A8: return op.w8a8_linear.call(x, w, p.quant[0], p.quant[1], p.kind[1], bias);
+    case kW8A8:
+      if (x.size(0) > p.kind[2] && p.quant[2].numel() > 0) return w8a8_onednn(op, x, p.quant[0], p.quant[2],
+                                                                               p.quant[3], bias);
+      return op.w8a8_linear.call(x, w, p.quant[0], p.quant[1], p.kind[1], bias);
     default: return linear(op, x, w, bias, gemv, w_ptr);
   }
 }
