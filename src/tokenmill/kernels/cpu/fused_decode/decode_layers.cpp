@@ -116,7 +116,7 @@ at::Tensor w8a8_onednn(const Ops& op, const at::Tensor& x, const at::Tensor& sca
                           c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
   qlinear.callBoxed(&stack);
   const at::Tensor dots = stack.at(0).toTensor();
-  return op.scale_rows.call(padded == m ? dots : dots.narrow(0, 0, m).contiguous(), xs, bias, x.scalar_type());
+  return op.scale_rows.call(padded == m ? dots : dots.narrow(0, 0, m), xs, bias, x.scalar_type());
 }
 
 at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
