@@ -64,6 +64,15 @@ struct Ops {
   c10::TypedOperatorHandle<ScaleRows> scale_rows = find_op<ScaleRows>("tokenmill_cpu::scale_rows");
 };
 
+// product(rows) for rows [m, K] -> [m, N], run on rows padded with zero rows to oneDNN's row count
+// (layers/linear.py's in_onednn_rows)
+template <typename Product>
+at::Tensor in_onednn_rows(const at::Tensor& x, Product&& product) {
+  const int64_t m = x.size(0), padded = tokenmill::onednn_rows(m);
+  if (padded == m) return product(x);
+  return product(at::constant_pad_nd(x, {0, 0, 0, padded - m})).narrow(0, 0, m);
+}
+
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
 // packed_gemv_max_rows(K) rows, else oneDNN on the same packed weight.
 // w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
@@ -78,12 +87,12 @@ at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const
   }
   static const c10::OperatorHandle onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  const int64_t m = x.size(0), padded = tokenmill::onednn_rows(m);  // zero rows up to oneDNN's row count
-  torch::jit::Stack stack{padded == m ? x : at::constant_pad_nd(x, {0, 0, 0, padded - m}), w, bias,
-                          c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
-  onednn.callBoxed(&stack);
-  const at::Tensor y = stack.at(0).toTensor();
-  return padded == m ? y : y.narrow(0, 0, m);
+  return in_onednn_rows(x, [&](const at::Tensor& rows) {
+    torch::jit::Stack stack{rows, w, bias, c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(),
+                            c10::string_view("")};
+    onednn.callBoxed(&stack);
+    return stack.at(0).toTensor();
+  });
 }
 
 // A projection's kind in linear_kinds (kind, in_features, and int4's group or W8A8's most rows for its VNNI
@@ -104,19 +113,20 @@ const Ops& ops() {
 }
 
 // W8A8 beyond its VNNI kernel's rows, as QuantizedLinearMethod.apply runs it: each row quantized, oneDNN's
-// int8 matmul (its row count rounded as in linear), each row's scale after
+// int8 matmul in its row counts, each row's scale after
 at::Tensor w8a8_onednn(const Ops& op, const at::Tensor& x, const at::Tensor& scales, const at::Tensor& packed,
                        const at::Tensor& zeros, const OptTensor& bias) {
   static const c10::OperatorHandle qlinear =
       c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
   const auto [xq, xs] = op.quantize_rows_int8.call(x.contiguous());
-  const int64_t m = xq.size(0), padded = tokenmill::onednn_rows(m);
-  torch::jit::Stack stack{padded == m ? xq : at::constant_pad_nd(xq, {0, 0, 0, padded - m}), 1.0, int64_t{0},
-                          packed, scales, zeros, c10::IValue(), 1.0, int64_t{0}, at::ScalarType::Float,
-                          c10::string_view("none"), c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
-  qlinear.callBoxed(&stack);
-  const at::Tensor dots = stack.at(0).toTensor();
-  return op.scale_rows.call(padded == m ? dots : dots.narrow(0, 0, m), xs, bias, x.scalar_type());
+  const at::Tensor dots = in_onednn_rows(xq, [&](const at::Tensor& rows) {
+    torch::jit::Stack stack{rows, 1.0, int64_t{0}, packed, scales, zeros, c10::IValue(), 1.0, int64_t{0},
+                            at::ScalarType::Float, c10::string_view("none"),
+                            c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
+    qlinear.callBoxed(&stack);
+    return stack.at(0).toTensor();
+  });
+  return op.scale_rows.call(dots, xs, bias, x.scalar_type());
 }
 
 at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
