@@ -56,7 +56,8 @@ def _run(model_dir: str, fused: bool, num_prompts: int, params: Any = None, coun
 
 
 @pytest.mark.parametrize("name", FUSED)
-@pytest.mark.parametrize("num_prompts", [1, 4, 9])  # 9: past the GEMV, oneDNN's packed linear
+# 9: past the GEMV, oneDNN's packed linear; 17: oneDNN run in 18 rows (layers/linear.py onednn_rows)
+@pytest.mark.parametrize("num_prompts", [1, 4, 9, 17])
 def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name: str, num_prompts: int) -> None:
     fast, fast_calls = _run(model_dirs[name], True, num_prompts)
     ref, ref_calls = _run(model_dirs[name], False, num_prompts)
@@ -67,7 +68,8 @@ def test_decode_layers_matches_the_python_loop(model_dirs: dict[str, str], name:
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
-@pytest.mark.parametrize("name,num_prompts", [("llama-gqa4-untied", 1), ("qwen2-mha", 4), ("llama-gqa2-tied", 18)])
+@pytest.mark.parametrize("name,num_prompts", [("llama-gqa4-untied", 1), ("qwen2-mha", 4), ("llama-gqa2-tied", 17),
+                                             ("llama-gqa2-tied", 18)])  # 17 rows: oneDNN's run in 18
 def test_decode_layers_with_quantized_projections(model_dirs: dict[str, str], name: str, num_prompts: int,
                                                   quantization: str) -> None:
     # the same quantized weights through the fused loop and through the Python layer loop; 18 prompts: steps
