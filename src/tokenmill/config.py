@@ -24,6 +24,7 @@ from tokenmill.kv_transfer_config import KVTransferConfig, resolve_kv_transfer_c
 from tokenmill.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig, resolve_parallel_config
 from tokenmill.pooling import PoolerConfig, checkpoint_max_seq_length, resolve_pooler_config
 from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
+from tokenmill.structured_outputs_config import StructuredOutputsConfig, resolve_structured_outputs_config
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -95,6 +96,8 @@ class EngineConfig:
     log_stats: bool = True  # the engine core's step counters (core.messages.StepStats) and the step metrics
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor and pipeline parallelism, the executor
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer_config.py), off when None
+    # the grammar backend of requests with structured outputs and its options (structured_outputs_config.py)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 # speculative decoding's methods; spec_decode/registry.py maps each to its proposer's factory
@@ -300,6 +303,11 @@ class EngineArgs:
         None, "disaggregated prefill and decode, as JSON (vLLM's KVTransferConfig): {\"kv_role\": \"kv_producer\" | "
               "\"kv_consumer\" | \"kv_both\", \"kv_connector\": \"ZMQConnector\", \"kv_ip\": ..., \"kv_port\": ..., "
               "\"kv_connector_extra_config\": {...}}; see `tokenmill disagg-proxy` (default: off)")
+    structured_outputs_config: dict[str, Any] | str | None = _arg(
+        None, "structured outputs (response_format, tools, guided_*), as JSON (vLLM's StructuredOutputsConfig): "
+              "{\"backend\": \"auto\" | \"xgrammar\" | \"guidance\", \"disable_any_whitespace\": false, "
+              "\"disable_additional_properties\": true} (default: xgrammar; JSON whitespace allowed, bounded; objects "
+              "take only the properties their schema names, with either backend)")
     pooler_config: str | None = _arg(None, "the pooling runner's pooling as JSON, e.g. '{\"pooling_type\": "
                                            "\"MEAN\", \"normalize\": true}' (pooling_type MEAN, CLS or LAST; "
                                            "default: the sentence-transformers config, else LAST, normalised)")
@@ -381,6 +389,7 @@ class EngineArgs:
             log_stats=not self.disable_log_stats,
             parallel=parallel,
             kv_transfer=kv_transfer,
+            structured_outputs=resolve_structured_outputs_config(self.structured_outputs_config),
         )
 
     def _data_parallel_size(self, runner: str) -> int:

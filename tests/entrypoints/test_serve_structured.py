@@ -1,7 +1,7 @@
-"""Structured output and tool calling over HTTP, with the real clients: every constrained answer of the
-random fixture model parses and validates (jsonschema) whole and streamed; tool_choice required and named
-calls are valid JSON for the function's parameters; bad schemas are 400s; the openai SDK's parse() and
-LangChain's bind_tools / with_structured_output work unmodified."""
+"""Structured output and tool calling over HTTP, with the real clients and each grammar backend: every
+constrained answer of the random fixture model parses and validates (jsonschema) whole and streamed;
+tool_choice required and named calls are valid JSON for the function's parameters; bad schemas are 400s;
+the openai SDK's parse() and LangChain's bind_tools / with_structured_output work unmodified."""
 
 from __future__ import annotations
 
@@ -41,10 +41,12 @@ class Pet(BaseModel):
     friendly: bool
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir: str) -> Iterator[RemoteServer]:
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def server(llama_dir: str, request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
+    """A server with each grammar backend: xgrammar by default, guidance by vLLM's flag."""
+    backend = [] if request.param == "xgrammar" else ["--structured-outputs-config", '{"backend": "guidance"}']
     srv = RemoteServer(llama_dir, "--served-model-name", NAME, "--enable-auto-tool-choice",
-                       "--tool-call-parser", "hermes")
+                       "--tool-call-parser", "hermes", *backend)
     yield srv
     assert srv.stop() is not None
 

@@ -1,6 +1,6 @@
-"""The xgrammar backend in the engine, on the tiny model: constrained outputs stay valid with n > 1,
-stop strings, prefix caching, preemption (the matcher keeps its state across recompute), draft tokens
-(wrong ones and right ones give the same tokens), and async scheduling; nothing is left behind."""
+"""Each grammar backend (xgrammar, guidance) in the engine, on the tiny model: constrained outputs stay
+valid with n > 1, stop strings, prefix caching, preemption (the matcher keeps its state across recompute),
+draft tokens (wrong ones and right ones give the same tokens), and async scheduling; nothing is left behind."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ import pytest
 from tests.spec_decode.test_spec_decode import Garbage, Oracle
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.backend import GrammarBackend
+from tokenmill.structured.guidance import GuidanceBackend
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
+
+BACKENDS = {"xgrammar": XGrammarBackend, "guidance": GuidanceBackend}
 
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -34,16 +38,26 @@ def check_valid(outputs: list[Any]) -> None:
             jsonschema.validate(json.loads(comp.text), SCHEMA)
 
 
-def backend_of(llm: LLM) -> XGrammarBackend:
+def backend_of(llm: LLM) -> GrammarBackend:
     backend = llm.engine.core.scheduler.structured_output
-    assert isinstance(backend, XGrammarBackend)
+    assert type(backend) is BACKENDS[llm.engine.config.structured_outputs.backend]
     return backend
 
 
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def make_llm(llama_dir: str, backend: str, **kw: Any) -> LLM:
+    args: dict[str, Any] = {"num_kv_blocks": 64, **kw}
+    return LLM(llama_dir, dtype="float32", block_size=8, max_model_len=128, structured_outputs_config={
+        "backend": backend}, **({"async_scheduling": False} | args))
+
+
 @pytest.fixture(scope="module")
-def llm(llama_dir: str) -> LLM:
-    return LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
-               async_scheduling=False)
+def llm(llama_dir: str, backend: str) -> LLM:
+    return make_llm(llama_dir, backend)
 
 
 def test_n_and_seeds_and_the_free_requests_beside(llm: LLM) -> None:
@@ -68,11 +82,9 @@ def test_stop_strings_and_prefix_caching(llm: LLM) -> None:
     assert not backend_of(llm)._matchers
 
 
-def test_preemption_keeps_the_grammar_state(llama_dir: str) -> None:
-    roomy = LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
-                async_scheduling=False)
-    tight = LLM(llama_dir, dtype="float32", num_kv_blocks=18, block_size=8, max_model_len=128,
-                async_scheduling=False)
+def test_preemption_keeps_the_grammar_state(llama_dir: str, backend: str) -> None:
+    roomy = make_llm(llama_dir, backend)
+    tight = make_llm(llama_dir, backend, num_kv_blocks=18)
     params = [constrained(seed=i) for i in range(8)]
     want = roomy.generate(PROMPTS * 2, params, use_tqdm=False)
     got = tight.generate(PROMPTS * 2, params, use_tqdm=False)
@@ -95,11 +107,9 @@ def test_draft_tokens_wrong_or_right_give_the_same_tokens(llm: LLM) -> None:
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_async_scheduling(llama_dir: str) -> None:
-    sync = LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
-               async_scheduling=False)
-    overlapped = LLM(llama_dir, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
-                     async_scheduling=True)
+def test_async_scheduling(llama_dir: str, backend: str) -> None:
+    sync = make_llm(llama_dir, backend)
+    overlapped = make_llm(llama_dir, backend, async_scheduling=True)
     params = [constrained(seed=i) for i in range(4)] + [SamplingParams(temperature=0.0, max_tokens=20)] * 4
     want = sync.generate(PROMPTS * 2, params, use_tqdm=False)
     got = overlapped.generate(PROMPTS * 2, params, use_tqdm=False)

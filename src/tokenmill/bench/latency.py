@@ -174,8 +174,9 @@ def structured_fields(llm: Any, path: str | None, params: Any) -> dict[str, Any]
     from tokenmill.structured.grammar import grammar_key
 
     backend = llm.engine.core.scheduler.structured_output
-    compile_s = backend.compile_seconds.get(grammar_key(params.structured_outputs))
-    return {"json_schema": os.path.basename(path), "grammar_compile_s": None if compile_s is None else sig(compile_s)}
+    compile_s = backend.compile_seconds.get(grammar_key(params.structured_outputs, backend.disable_any_whitespace))
+    return {"json_schema": os.path.basename(path), "grammar_backend": llm.engine.config.structured_outputs.backend,
+            "grammar_compile_s": None if compile_s is None else sig(compile_s)}
 
 
 def run(args: argparse.Namespace) -> int:

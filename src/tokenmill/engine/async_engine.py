@@ -118,7 +118,7 @@ class AsyncLLM:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(config.model, tokenizer)
+        self.input_processor = InputProcessor(config.model, tokenizer, config.structured_outputs.backend)
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics(config.model.served_model_name)
         self.stats = SchedulerStats()

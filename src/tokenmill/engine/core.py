@@ -25,7 +25,8 @@ from tokenmill.executor import create_executor
 from tokenmill.executor.abstract import Executor, WorkerDied
 from tokenmill.kv_transfer import KVConnector, create_connector
 from tokenmill.metrics.step_cost import model_cost
-from tokenmill.structured.xgrammar_backend import XGrammarBackend
+from tokenmill.structured.backend import GrammarBackend
+from tokenmill.structured.registry import create_grammar_backend
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # steps in a row that may fail before the engine core gives up
@@ -61,9 +62,10 @@ class EngineCore:
         store = kv_offload_store(config, kv_config.bytes_per_block)
         if store is not None:
             self.scheduler.set_kv_offload(store, config.cache.preemption_mode == "swap")
-        # grammars for the requests with structured_outputs; xgrammar and the tokenizer load on the first
-        self.scheduler.set_structured_output(XGrammarBackend(
-            functools.partial(load_tokenizer, config.model.tokenizer), config.model.arch.vocab_size))
+        # grammars for the requests with structured_outputs; the library and the tokenizer load on the first
+        self.scheduler.set_structured_output(create_grammar_backend(
+            config.structured_outputs, functools.partial(load_tokenizer, config.model.tokenizer),
+            config.model.arch.vocab_size, config.model.arch.eos_token_ids))
         self.num_blocks = num_blocks
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
@@ -266,7 +268,7 @@ class EngineCore:
         stats = self.scheduler.stats()
         if self._meter is not None:
             stats.step = self._meter.snapshot()
-        if isinstance(self.scheduler.structured_output, XGrammarBackend):
+        if isinstance(self.scheduler.structured_output, GrammarBackend):
             self.scheduler.structured_output.count_into(stats)
         return stats
 
@@ -286,7 +288,7 @@ class EngineCore:
                     self._in_flight.popleft()[1].result()
         finally:
             self.executor.shutdown()
-        if isinstance(self.scheduler.structured_output, XGrammarBackend):
+        if isinstance(self.scheduler.structured_output, GrammarBackend):
             self.scheduler.structured_output.shutdown()
         self.close_kv_offload()
         self.close_kv_transfer()
@@ -307,5 +309,5 @@ class EngineCore:
     def prepare_structured_output(self) -> None:
         """Starts loading the grammar backend's library and tokenizer off the step loop (the front end asks
         when its first constrained request arrives, so both processes load at once)."""
-        if isinstance(self.scheduler.structured_output, XGrammarBackend):
+        if isinstance(self.scheduler.structured_output, GrammarBackend):
             self.scheduler.structured_output.prepare()

@@ -89,9 +89,10 @@ def _tokenizer_class(path: str) -> str | None:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None, grammar_backend: str = "xgrammar") -> None:
         self.config = model_config
         self.tokenizer = tokenizer
+        self.grammar_backend = grammar_backend  # the engine's (--structured-outputs-config), which checks constraints
         eos = set(model_config.arch.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -138,7 +139,7 @@ class InputProcessor:
         check_token_ids([t for w in params.bad_words_token_ids for t in w], vocab, "bad_words_token_ids")
         check_token_ids(params.prediction_token_ids or [], vocab, "prediction_token_ids")
         if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)
+            check_structured_outputs(params.structured_outputs, self.grammar_backend)
         max_tokens = resolve_max_tokens(len(prompt.prompt_token_ids), params.max_tokens, self.config.max_model_len)
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)

@@ -28,7 +28,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False) -> None:
         self.config = config
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model.tokenizer)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer, config.structured_outputs.backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core = EngineCore(config)
         self.stats = SchedulerStats()

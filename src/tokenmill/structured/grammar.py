@@ -1,7 +1,8 @@
-"""From a request's StructuredOutputsParams to an xgrammar Grammar (tokenizer-independent), and the key its
-compiled form is cached under. Building the grammar is the check that a schema, regex or EBNF grammar is
-valid: the engine's InputProcessor calls check_structured_outputs before a request reaches the core, so a
-bad one is a ValueError (an HTTP 400) that names the constraint."""
+"""From a request's StructuredOutputsParams to the key its compiled grammar is cached under, and from a key
+to the grammar (tokenizer-independent) of each backend: an xgrammar Grammar, or llguidance's grammar text
+(structured/guidance.py). Building the grammar is the check that a schema, regex or EBNF grammar is valid:
+the engine's InputProcessor calls check_structured_outputs, with the engine's backend, before a request
+reaches the core, so a bad one is a ValueError (an HTTP 400) that names the constraint."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ MAX_JSON_WHITESPACE = 24
 GrammarKey = tuple[str, str, bool]  # (kind, the constraint's canonical text, free whitespace in JSON)
 
 
-def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool = False) -> GrammarKey:
+    """disable_any_whitespace: the server's (--structured-outputs-config), over every request's own."""
     kind = params.kind
     value: Any = getattr(params, kind)
     if kind == "json":
@@ -29,7 +31,7 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         value = json.dumps(value)
     elif kind == "json_object":
         value = ""
-    return kind, str(value), not params.disable_any_whitespace
+    return kind, str(value), not (params.disable_any_whitespace or disable_any_whitespace)
 
 
 def build_grammar(key: GrammarKey) -> xgr.Grammar:
@@ -48,17 +50,16 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(text)))
         return xgr.Grammar.from_ebnf(text)
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
-        raise ValueError(f"structured output: invalid {what}: {_first_line(e)}") from None
+        raise invalid(kind, _first_line(e)) from None
 
 
-def check_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Raise ValueError when the constraint cannot be turned into a grammar."""
-    _check_key(grammar_key(params))
+def check_structured_outputs(params: StructuredOutputsParams, backend: str = "xgrammar") -> None:
+    """Raise ValueError when the constraint cannot be turned into the backend's grammar."""
+    _check_key(grammar_key(params), backend)
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of the key: each distinct constraint is built once
-def _check_key(key: GrammarKey) -> None:
+def _check_key(key: GrammarKey, backend: str) -> None:
     if key[0] == "json":
         try:
             schema = json.loads(key[1])
@@ -66,7 +67,12 @@ def _check_key(key: GrammarKey) -> None:
             raise ValueError("structured output: the JSON schema is not valid JSON") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured output: a JSON schema must be an object")
-    build_grammar(key)
+    if backend == "guidance":
+        from tokenmill.structured.guidance import guidance_grammar
+
+        guidance_grammar(key)
+    else:
+        build_grammar(key)
 
 
 def _schema_text(schema: str | dict[str, Any]) -> str:
@@ -89,6 +95,12 @@ def _ebnf_literal(text: str) -> str:
         else:
             out.append(f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else f"\\u{ord(ch):04x}")
     return '"' + "".join(out) + '"'
+
+
+def invalid(kind: str, message: str) -> ValueError:
+    """The error of a constraint that is not valid, naming its kind."""
+    what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
+    return ValueError(f"structured output: invalid {what}: {message}")
 
 
 def _first_line(error: Exception) -> str:

@@ -63,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream and req.prompt_logprobs is not None:  # as vLLM: they come with the whole answer
             raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         plan = plan_tools(list(req.tools or []), req.tool_choice, req.parallel_tool_calls, self.ctx.tool_call_parser,
-                          self.ctx.enable_auto_tool_choice)
+                          self.ctx.enable_auto_tool_choice, self.grammar_backend)
         prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                              req.chat_template_kwargs, req.truncate_prompt_tokens, plan)
         param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"

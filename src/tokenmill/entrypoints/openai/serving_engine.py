@@ -29,6 +29,7 @@ from tokenmill.entrypoints.openai.request_types import IGNORED_FIELDS, REQUEST_I
 from tokenmill.entrypoints.openai.serving_tools import STRUCTURED_OUTPUT_FIELDS, structured_outputs_of
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenmill.structured_outputs_config import LIBRARY_MODULES
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,6 +77,11 @@ class OpenAIServing:
         self.max_model_len = ctx.engine.config.model.max_model_len
 
     @property
+    def grammar_backend(self) -> str:
+        """The engine's (--structured-outputs-config), which checks requests' constraints."""
+        return str(self.engine.config.structured_outputs.backend)
+
+    @property
     def vocab_size(self) -> int:
         return int(self.engine.config.model.arch.vocab_size)
 
@@ -87,7 +93,7 @@ class OpenAIServing:
         """Waits for the grammar library when the request may carry a constraint (a structured-output
         field or tools), so that checking it does not import the library on the event loop."""
         if any(getattr(req, name, None) is not None for name in CONSTRAINT_FIELDS):
-            await self.ctx.grammar.ready(self.engine.prepare_structured_output)
+            await self.ctx.grammar.ready(self.engine.prepare_structured_output, LIBRARY_MODULES[self.grammar_backend])
 
     def check_request(self, req: SamplingRequest, num_prompts: int) -> None:
         """What every generate request checks first: the model, the fan-out, fields that do not apply."""
@@ -149,7 +155,7 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None, stream: bool = False,
                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
-        structured, field_name = structured_outputs_of(req)
+        structured, field_name = structured_outputs_of(req, self.grammar_backend)
         if structured is not None and constraint is not None:
             raise bad_request(f"{field_name} cannot be combined with a tool_choice that calls a tool", field_name)
         try:

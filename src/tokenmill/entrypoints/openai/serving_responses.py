@@ -379,7 +379,7 @@ class OpenAIServingResponses(OpenAIServing):
         choice = req.tool_choice
         plan = plan_tools([t.chat_tool() for t in req.tools or []], NamedToolChoice(
             function=FunctionName(name=choice.name)) if isinstance(choice, ResponsesNamedChoice) else choice,
-            req.parallel_tool_calls, self.ctx.tool_call_parser, self.ctx.enable_auto_tool_choice)
+            req.parallel_tool_calls, self.ctx.tool_call_parser, self.ctx.enable_auto_tool_choice, self.grammar_backend)
         if not conversation:
             raise bad_request("input must have at least one message", "input")
         system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []

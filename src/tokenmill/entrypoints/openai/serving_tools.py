@@ -37,8 +37,9 @@ STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_jso
                       "guided_grammar")
 
 
-def structured_outputs_of(req: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
-    """The request's constraint and the field it came from; a 400 when more than one is given."""
+def structured_outputs_of(req: SamplingRequest, backend: str) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field it came from, checked with the grammar backend's library; a 400
+    when more than one is given."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -69,13 +70,13 @@ def structured_outputs_of(req: SamplingRequest) -> tuple[StructuredOutputsParams
     if not found:
         return None, None
     name, params = found[0]
-    check(params, name)
+    check(params, name, backend)
     return params, name
 
 
-def check(params: StructuredOutputsParams, param: str) -> None:
+def check(params: StructuredOutputsParams, param: str, backend: str) -> None:
     try:
-        check_structured_outputs(params)
+        check_structured_outputs(params, backend)
     except ValueError as e:
         raise bad_request(str(e), param) from None
 
@@ -91,8 +92,9 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[ChatTool], choice: ToolChoice | None, parallel: bool | None, parser_name: str | None,
-               auto_enabled: bool) -> ToolPlan:
-    """What to do with a request's tools (a 400 where tool_choice cannot be met)."""
+               auto_enabled: bool, backend: str) -> ToolPlan:
+    """What to do with a request's tools (a 400 where tool_choice cannot be met); `backend` checks the
+    constraint of a required or named tool_choice."""
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -119,7 +121,7 @@ def plan_tools(tools: list[ChatTool], choice: ToolChoice | None, parallel: bool 
         plan = ToolPlan("named", tools, parser, named=tool.function.name,
                         constraint=StructuredOutputsParams(json=parameters_schema(tool), disable_any_whitespace=True))
     assert plan.constraint is not None
-    check(plan.constraint, "tools")
+    check(plan.constraint, "tools", backend)
     return plan
 
 

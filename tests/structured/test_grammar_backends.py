@@ -1,6 +1,7 @@
-"""The xgrammar backend on its own: compilation in the pool (a request is not ready until its grammar is,
-one compilation per grammar, an LRU of them), bitmask rows for draft tokens, the speculative-decoding
-API (validate k drafts, roll back), the end of a grammar ending its request, and a bad grammar."""
+"""Each grammar backend (xgrammar, guidance) on its own: compilation in the pool (a request is not ready
+until its grammar is, one compilation per grammar, an LRU of them), bitmask rows for draft tokens, the
+speculative-decoding API (validate k drafts, roll back), the end of a grammar ending its request, and a bad
+grammar."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from tokenmill.core.messages import SchedulerStats
 from tokenmill.core.request import Request
 from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.structured.backend import GrammarBackend
 from tokenmill.structured.bitmask import allowed_ids
 from tokenmill.structured.grammar import grammar_key
+from tokenmill.structured.guidance import GuidanceBackend
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
 from ..fixtures import EOS, VOCAB
@@ -25,20 +28,33 @@ def tokenizer(tokenizer_dir: str) -> Any:
     return load_tokenizer(tokenizer_dir)
 
 
-def backend(tokenizer: Any, **kw: Any) -> XGrammarBackend:
-    return XGrammarBackend(lambda: tokenizer, VOCAB, **kw)
+@pytest.fixture(params=["xgrammar", "guidance"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def make(kind: str, load: Any, **kw: Any) -> GrammarBackend:
+    if kind == "guidance":
+        return GuidanceBackend(load, VOCAB, (EOS,), **kw)
+    return XGrammarBackend(load, VOCAB, **kw)
+
+
+@pytest.fixture
+def backend(tokenizer: Any, kind: str) -> Any:
+    """A factory of backends of the kind (keyword arguments: the backend's)."""
+    return lambda **kw: make(kind, lambda: tokenizer, **kw)
 
 
 def request(rid: str, **constraint: Any) -> Request:
     return Request(rid, [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), (EOS,))
 
 
-def ready(b: XGrammarBackend, req: Request) -> None:
+def ready(b: GrammarBackend, req: Request) -> None:
     b.compile(grammar_key(req.sampling_params.structured_outputs)).result(timeout=60)  # type: ignore[arg-type]
     assert b.is_ready(req)
 
 
-def masks(b: XGrammarBackend, reqs: list[Request], drafts: dict[str, list[int]]) -> dict[str, Any]:
+def masks(b: GrammarBackend, reqs: list[Request], drafts: dict[str, list[int]]) -> dict[str, Any]:
     """The step's bitmasks, waited for where the backend fills them on its thread."""
     out = b.grammar_bitmask(reqs, drafts)
     return out if isinstance(out, dict) else out.result(timeout=60)
@@ -48,9 +64,9 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def test_a_request_is_ready_once_its_grammar_is_compiled_in_the_pool(tokenizer: Any) -> None:
+def test_a_request_is_ready_once_its_grammar_is_compiled_in_the_pool(backend: Any) -> None:
     gate = threading.Event()
-    b = backend(tokenizer, cache_size=2)
+    b = backend(cache_size=2)
     b._pool.submit(gate.wait)  # holds the pool's one thread: the compilations queue behind it
     req, twin = request("a", regex="[0-9]+"), request("b", regex="[0-9]+")
     assert not b.is_ready(req) and not b.is_ready(twin)  # never blocks the caller
@@ -69,24 +85,24 @@ def test_a_request_is_ready_once_its_grammar_is_compiled_in_the_pool(tokenizer: 
     b.shutdown()
 
 
-def test_prepare_loads_the_tokenizer_once_in_the_pool_before_any_compilation(tokenizer: Any) -> None:
+def test_prepare_loads_the_tokenizer_once_in_the_pool_before_any_compilation(tokenizer: Any, kind: str) -> None:
     loads: list[int] = []
 
     def load() -> Any:
         loads.append(1)
         return tokenizer
 
-    b = XGrammarBackend(load, VOCAB)
-    compiler = b.prepare().result(timeout=60)
+    b = make(kind, load)
+    b.prepare().result(timeout=60)
     assert loads == [1] and b.num_compiles == 0  # nothing compiled yet
     req = request("a", regex="[0-9]+")
     ready(b, req)
-    assert b._compiler is compiler and loads == [1]  # the compilation reuses it
+    assert loads == [1] and b.num_compiles == 1  # the compilation reuses what prepare loaded
     b.shutdown()
 
 
-def test_a_grammar_that_cannot_be_built_is_a_value_error(tokenizer: Any) -> None:
-    b = backend(tokenizer)
+def test_a_grammar_that_cannot_be_built_is_a_value_error(backend: Any) -> None:
+    b = backend()
     req = request("bad", grammar="root ::= nothing")
     with pytest.raises(ValueError, match="invalid grammar"):
         b.compile(grammar_key(req.sampling_params.structured_outputs)).result(timeout=60)  # type: ignore[arg-type]
@@ -97,8 +113,8 @@ def test_a_grammar_that_cannot_be_built_is_a_value_error(tokenizer: Any) -> None
     assert stats.structured_failed == 1 and stats.grammar_compiles == 1 and stats.structured_requests == {}
 
 
-def test_rows_for_drafts_validate_and_rollback(tokenizer: Any) -> None:
-    b = backend(tokenizer)
+def test_rows_for_drafts_validate_and_rollback(backend: Any, tokenizer: Any) -> None:
+    b = backend()
     req = request("a", choice=["yes please", "no thanks"])
     ready(b, req)
     yes, no = encode(tokenizer, "yes please"), encode(tokenizer, "no thanks")
@@ -117,8 +133,8 @@ def test_rows_for_drafts_validate_and_rollback(tokenizer: Any) -> None:
     assert (masks(b, [req], {})["a"] == first).all()
 
 
-def test_the_end_of_the_grammar_ends_the_request(tokenizer: Any) -> None:
-    b = backend(tokenizer)
+def test_the_end_of_the_grammar_ends_the_request(backend: Any, tokenizer: Any) -> None:
+    b = backend()
     done, open_ended = request("a", choice=["yes"]), request("b", regex="a+")
     ready(b, done)
     ready(b, open_ended)
@@ -134,7 +150,8 @@ def test_the_end_of_the_grammar_ends_the_request(tokenizer: Any) -> None:
     ({"json": {"type": "nope"}}, "invalid JSON schema"), ({"json": "{not json"}, "not valid JSON"),
     ({"regex": "a(b"}, "invalid regex"), ({"grammar": "root ::= missing"}, "invalid grammar"),
 ])
-def test_the_library_refuses_a_bad_constraint_with_a_value_error(constraint: dict[str, Any], says: str) -> None:
+def test_the_library_refuses_a_bad_constraint_with_a_value_error(constraint: dict[str, Any], says: str,
+                                                                 kind: str) -> None:
     from types import SimpleNamespace
     from typing import cast
 
@@ -142,7 +159,7 @@ def test_the_library_refuses_a_bad_constraint_with_a_value_error(constraint: dic
     from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
 
     config = SimpleNamespace(arch=SimpleNamespace(eos_token_ids=(EOS,), vocab_size=VOCAB), max_model_len=64)
-    processor = InputProcessor(cast(ModelConfig, config), None)
+    processor = InputProcessor(cast(ModelConfig, config), None, kind)
     params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
     with pytest.raises(ValueError, match=says):
         processor.make_request("r", ProcessedPrompt(None, [5, 6]), params)

@@ -1,0 +1,317 @@
+"""The grammar backends' common part: core.structured_output.StructuredOutput for the requests whose
+SamplingParams carry structured_outputs. A backend (xgrammar_backend.py, guidance.py) supplies its library's
+compiler, matchers and bitmask fills through the hooks at the class's end; GRAMMAR_BACKENDS names them for
+--structured-outputs-config's "backend".
+
+Compilation runs in a thread pool, cached by grammar (an LRU of futures, so requests with the same schema
+share one compilation, even while it runs); the scheduler keeps a request waiting until its grammar is
+ready (is_ready) and schedules the others. Each request gets its own matcher, advanced with the tokens it
+takes; draft tokens are tried and rolled back to build their bitmask rows. A request keeps its matcher
+when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own.
+
+A step's bitmasks are filled on a thread of their own (one xgrammar batch call for the rows without
+drafts; xgrammar releases the GIL) while the step is prepared and its forward runs; the worker waits for
+them when it samples. A request's rows are filled once every token before them was told (accept_tokens),
+so with async scheduling the fill for a step waits for the output of the step before it
+(follows_tokens_in_flight).
+
+A matcher (the library's, or a wrapper with the same methods) has xgrammar's GrammarMatcher interface:
+accept_token (False, state unchanged, for a token the grammar rejects), is_terminated (a stop token was
+taken), is_completed (the grammar may end here), rollback and stop_token_ids."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.request import Request
+from tokenmill.core.structured_output import GrammarBitmasks, bitmask_words
+from tokenmill.structured.bitmask import pack_allowed
+from tokenmill.structured.grammar import GrammarKey, grammar_key
+
+logger = logging.getLogger(__name__)
+DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
+
+
+@dataclass
+class _Matcher:
+    matcher: Any  # the backend's (see the module's docstring)
+    stop_mask: np.ndarray  # [words] int32: the stop tokens' bits
+    next_mask: np.ndarray | None = None  # [words]: the bitmask after the tokens taken, when already filled
+    num_accepted: int = 0  # the request's tokens told so far
+    freed: bool = False  # the request finished: a fill still waiting for its tokens waits no more
+
+
+# one step's fill: (request id, its matcher, how many of its tokens come before the row, its drafts)
+_FillJob = tuple[str, _Matcher, int, list[int]]
+
+
+def _live(state: _Matcher) -> bool:
+    """Whether the request's grammar still constrains its next token."""
+    return not state.freed and not state.matcher.is_terminated()
+
+
+class GrammarBackend:
+    follows_tokens_in_flight = True
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
+                 cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1,
+                 disable_any_whitespace: bool = False) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.disable_any_whitespace = disable_any_whitespace  # the server's, over every request's
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(vocab_size)
+        self.cache_size = cache_size
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="tokenmill-grammar")
+        # the steps' bitmasks, in the order the steps were scheduled
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
+        self._told = threading.Condition()  # notified when tokens are told, a request is freed, or at shutdown
+        self._closed = False
+        self._compiled: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
+        self._matchers: dict[str, _Matcher] = {}
+        self.compile_seconds: dict[GrammarKey, float] = {}  # per grammar compiled (the first one includes setup)
+        # cumulative, for the metrics: constrained requests by kind, failed grammars, compilations
+        self.num_requests: dict[str, int] = {}
+        self.num_failed = 0
+        self.num_compiles = 0
+        self.compile_seconds_total = 0.0
+
+    # ---- compilation -----------------------------------------------------------------------
+    def compile(self, key: GrammarKey) -> Future[Any]:
+        """The compilation of a grammar, started in the pool unless cached (then it moves to the LRU's end)."""
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            return future
+        future = self._pool.submit(self._compile, key)
+        self._compiled[key] = future
+        while len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return future
+
+    def prepare(self) -> Future[None]:
+        """Loads the library and the tokenizer in the pool ahead of the first compilation."""
+        return self._pool.submit(self._setup)
+
+    def _compile(self, key: GrammarKey) -> Any:
+        start = time.perf_counter()
+        try:
+            compiled = self._compile_key(key)
+        finally:
+            seconds = time.perf_counter() - start
+            self.num_compiles += 1  # the pool's one thread writes these; the step loop reads them
+            self.compile_seconds_total += seconds
+        self.compile_seconds[key] = seconds
+        return compiled
+
+    # ---- the StructuredOutput seam -----------------------------------------------------------
+    def is_ready(self, request: Request) -> bool:
+        params = request.sampling_params.structured_outputs
+        if params is None or request.request_id in self._matchers:
+            return True
+        future = self.compile(grammar_key(params, self.disable_any_whitespace))
+        if not future.done():
+            return False
+        error = future.exception()
+        if error is not None:
+            self.num_failed += 1  # the request ends with the error: asked once
+            raise error if isinstance(error, ValueError) else ValueError(f"structured output: {error}")
+        self._matchers[request.request_id] = self._new_matcher(future.result(), request)
+        self.num_requests[params.kind] = self.num_requests.get(params.kind, 0) + 1
+        return True
+
+    def _new_matcher(self, compiled: Any, request: Request) -> _Matcher:
+        matcher = self._library_matcher(compiled, list(request.eos_token_ids))
+        for tok in request.output_token_ids:  # none but for a request that had tokens before this backend
+            matcher.accept_token(tok)
+        return _Matcher(matcher, pack_allowed(matcher.stop_token_ids, self.vocab_size),
+                        num_accepted=len(request.output_token_ids))
+
+    def count_into(self, stats: SchedulerStats) -> None:
+        stats.structured_requests = dict(self.num_requests)
+        stats.structured_failed = self.num_failed
+        stats.grammar_compiles = self.num_compiles
+        stats.grammar_compile_seconds = self.compile_seconds_total
+
+    def grammar_bitmask(self, requests: Sequence[Request],
+                        drafts: Mapping[str, list[int]]) -> GrammarBitmasks:
+        """The step's bitmasks, filled on the fill thread once the constrained requests' tokens before
+        this step (those of the steps still in flight too) were told."""
+        jobs: list[_FillJob] = []
+        for req in requests:
+            state = self._matchers.get(req.request_id)
+            if state is not None:  # the tokens before this step's: taken, and sampled by the steps in flight
+                before = req.num_output_tokens + req.num_output_placeholders - 1
+                jobs.append((req.request_id, state, before, drafts.get(req.request_id, [])))
+        if not jobs:
+            return {}
+        if not any(d for *_, d in jobs) and all(st.num_accepted >= before for _, st, before, _ in jobs):
+            # every token before this step told (this thread tells them): the rows are laid out here and the
+            # fill thread makes only xgrammar's batch call, which runs without the GIL
+            out, rows, matchers, fresh = self._lay_out(jobs)
+            if not fresh:
+                return out
+            return self._fill_pool.submit(self._batch_fill, matchers, rows, fresh, out)
+        return self._fill_pool.submit(self._fill, jobs)
+
+    def _batch_fill(self, matchers: list[Any], rows: np.ndarray, fresh: list[int],
+                    out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self._fill_rows(matchers, rows, fresh)
+        return out
+
+    def _lay_out(self, jobs: list[_FillJob]) -> tuple[dict[str, np.ndarray], np.ndarray, list[Any], list[int]]:
+        """The jobs without drafts: (each one's row: a live request's a view of one array, an ended one's all
+        set; that array; the matchers of the rows still to be filled, and those rows' indices in it)."""
+        out: dict[str, np.ndarray] = {}
+        live = []
+        for rid, st, _, d in jobs:
+            if d:
+                continue
+            if _live(st):
+                live.append((rid, st))
+            else:  # ended: the row is never used
+                out[rid] = np.full((1, self.words), -1, np.int32)
+        rows = np.full((len(live), self.words), -1, np.int32)
+        fresh: list[int] = []
+        for k, (rid, st) in enumerate(live):
+            if st.next_mask is None:
+                fresh.append(k)
+            else:
+                rows[k] = st.next_mask
+            out[rid] = rows[k:k + 1]
+        return out, rows, [live[k][1].matcher for k in fresh], fresh
+
+    def _fill(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
+        with self._told:
+            self._told.wait_for(lambda: self._closed or all(st.freed or st.num_accepted >= before
+                                                            for _, st, before, _ in jobs))
+        out, rows, matchers, fresh = self._lay_out(jobs)
+        if fresh:  # the rows without drafts, in one call
+            self._batch_fill(matchers, rows, fresh, out)
+        for rid, st, _, d in jobs:
+            if rid in out:
+                continue
+            if not _live(st):  # ended: the rows are never used
+                out[rid] = np.full((1 + len(d), self.words), -1, np.int32)
+            else:
+                out[rid] = self._rows(st, d)
+        return out
+
+    def _rows(self, state: _Matcher, drafts: list[int]) -> np.ndarray:
+        """[1 + len(drafts), words]: row j after the first j drafts, as if taken; rows past a draft the
+        grammar rejects repeat the row before it."""
+        rows = np.empty((1 + len(drafts), self.words), np.int32)
+        if state.next_mask is not None:
+            rows[0] = state.next_mask
+        else:
+            self._fill_row(state.matcher, rows, 0)
+        taken = 0
+        for j, tok in enumerate(drafts):
+            if state.matcher.is_terminated() or not state.matcher.accept_token(tok):
+                rows[j + 1:] = rows[j]
+                break
+            taken += 1
+            self._fill_row(state.matcher, rows, j + 1)
+        if taken:
+            state.matcher.rollback(taken)
+        return rows
+
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
+        state = self._matchers.get(request.request_id)
+        if state is None:
+            return False
+        try:
+            return self._accept(request.request_id, state, token_ids)
+        finally:
+            with self._told:  # the fill waiting for these tokens may go on
+                state.num_accepted += len(token_ids)
+                self._told.notify_all()
+
+    def _accept(self, request_id: str, state: _Matcher, token_ids: list[int]) -> bool:
+        state.next_mask = None
+        matcher = state.matcher
+        for tok in token_ids:
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(tok):
+                logger.warning("request %s: token %d breaks its grammar", request_id, tok)
+                return True
+        if matcher.is_terminated():
+            return True
+        if not matcher.is_completed():
+            return False
+        # at an end state: the request ends here when nothing but a stop token may follow
+        mask = np.empty((1, self.words), np.int32)
+        self._fill_row(matcher, mask, 0)
+        state.next_mask = mask[0]
+        return not np.any(mask[0] & ~state.stop_mask)
+
+    def free(self, request_id: str) -> None:
+        state = self._matchers.pop(request_id, None)
+        if state is not None:
+            with self._told:
+                state.freed = True
+                self._told.notify_all()
+
+    # ---- for speculative decoding ------------------------------------------------------------
+    def validate_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many of token_ids, in order from the request's current state, the grammar accepts; the
+        state is left as it was."""
+        state = self._matchers.get(request_id)
+        if state is None:
+            return len(token_ids)
+        n = 0
+        for tok in token_ids:
+            if state.matcher.is_terminated() or not state.matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            state.matcher.rollback(n)
+        return n
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Undo the last num_tokens tokens accepted for the request (drafts taken before verification)."""
+        state = self._matchers.get(request_id)
+        if state is not None and num_tokens > 0:
+            state.next_mask = None
+            state.matcher.rollback(num_tokens)
+            state.num_accepted -= num_tokens
+
+    def shutdown(self) -> None:
+        with self._told:
+            self._closed = True
+            self._told.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- what a backend supplies (called on the pool's one thread: _setup, _compile_key; on the fill
+    # thread and the step loop's: the others) ----------------------------------------------------
+    def _setup(self) -> None:
+        """Load the library and the tokenizer (once; the first compilation calls it too)."""
+        raise NotImplementedError
+
+    def _compile_key(self, key: GrammarKey) -> Any:
+        """The compiled grammar of a key, which _library_matcher starts matchers from; a ValueError that
+        says what is wrong where the grammar cannot be built."""
+        raise NotImplementedError
+
+    def _library_matcher(self, compiled: Any, stop_token_ids: list[int]) -> Any:
+        """A new matcher at the grammar's start; stop_token_ids: the request's stop tokens."""
+        raise NotImplementedError
+
+    def _fill_row(self, matcher: Any, rows: np.ndarray, index: int) -> None:
+        """rows[index] (int32 [n, words], C-contiguous): the matcher's next-token bitmask."""
+        raise NotImplementedError
+
+    def _fill_rows(self, matchers: list[Any], rows: np.ndarray, indices: list[int]) -> None:
+        """rows[indices[i]]: matchers[i]'s next-token bitmask, in one call of the library where it has one."""
+        raise NotImplementedError

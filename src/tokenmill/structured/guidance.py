@@ -1,0 +1,161 @@
+"""The llguidance grammar backend (--structured-outputs-config '{"backend": "guidance"}'): a request's
+constraint as llguidance grammar text, one LLMatcher per request (a copy of the one compiled per grammar),
+and llguidance's executor for a step's rows.
+
+JSON follows the xgrammar backend's rules: whitespace between JSON tokens bounded by MAX_JSON_WHITESPACE
+characters, none with disable_any_whitespace; objects take only the properties their schema names (as
+xgrammar's strict mode) unless disable_additional_properties is false. EBNF/GBNF grammars go through
+llguidance's converter to Lark; llguidance's own Lark syntax is accepted too.
+
+The stop tokens are the tokenizer's EOS tokens in llguidance: the LLTokenizer is made with the engine's
+(the checkpoint's eos_token_id and the tokenizer's, as the InputProcessor gives every request). A request
+with other stop tokens gets a matcher built for its own (compiled again, on the step loop)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tokenmill.structured.backend import DEFAULT_CACHE_SIZE, GrammarBackend
+from tokenmill.structured.grammar import MAX_JSON_WHITESPACE, GrammarKey, invalid
+
+if TYPE_CHECKING:
+    import llguidance as llg
+
+_WHITESPACE = r"[\x20\x0A\x0D\x09]"
+
+
+def guidance_grammar(key: GrammarKey, disable_additional_properties: bool = True) -> str:
+    """llguidance's grammar text for a key; a ValueError that says what is wrong when it is not valid."""
+    import llguidance as llg
+
+    kind, text, any_whitespace = key
+    try:
+        if kind in ("json", "json_object"):
+            schema: Any = json.loads(text) if kind == "json" else {"type": "object"}
+            if disable_additional_properties:
+                schema = closed_objects(schema)
+            options: dict[str, Any] = {"whitespace_flexible": any_whitespace}
+            if any_whitespace:
+                options["whitespace_pattern"] = f"{_WHITESPACE}{{1,{MAX_JSON_WHITESPACE}}}"
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(text)
+        elif kind == "choice":
+            grammar = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+        else:
+            grammar = llg.grammar_from("grammar", text)
+    except ValueError as e:
+        raise invalid(kind, str(e).strip().splitlines()[0]) from None
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise invalid(kind, error.strip().splitlines()[0])
+    return grammar
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `"additionalProperties": false` in every object schema that does not say otherwise."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class GuidanceMatcher:
+    """An LLMatcher behind xgrammar's GrammarMatcher interface (structured/backend.py's matchers)."""
+
+    __slots__ = ("inner", "stop_token_ids")
+
+    def __init__(self, inner: llg.LLMatcher, stop_token_ids: list[int]) -> None:
+        self.inner = inner
+        self.stop_token_ids = stop_token_ids
+
+    def accept_token(self, token: int) -> bool:
+        return self.inner.try_consume_tokens([token]) == 1  # (a rejected token leaves the state as it was)
+
+    def is_terminated(self) -> bool:
+        """A stop token was taken, or nothing but one may follow (llguidance's stopped state)."""
+        return self.inner.is_stopped()
+
+    def is_completed(self) -> bool:
+        return self.inner.is_accepting()
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+
+@dataclass
+class _Compiled:
+    grammar: str
+    matcher: llg.LLMatcher  # at the grammar's start, for the engine's stop tokens; copied per request
+
+
+class GuidanceBackend(GrammarBackend):
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int] = (),
+                 cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1, disable_any_whitespace: bool = False,
+                 disable_additional_properties: bool = True) -> None:
+        super().__init__(load_tokenizer, vocab_size, cache_size, compile_threads, disable_any_whitespace)
+        self.disable_additional_properties = disable_additional_properties
+        self._eos = frozenset(eos_token_ids)  # the checkpoint's; the tokenizer's is added in _setup
+        self._hf_tokenizer: Any = None
+        self._tokenizers: dict[frozenset[int], llg.LLTokenizer] = {}  # by stop tokens
+        self._executor: llg.LLExecutor | None = None
+
+    def _setup(self) -> None:
+        if self._hf_tokenizer is None:  # (only the pool's one thread runs this)
+            import llguidance as llg
+
+            self._hf_tokenizer = self._load_tokenizer()
+            if self._hf_tokenizer.eos_token_id is not None:
+                self._eos = self._eos | {int(self._hf_tokenizer.eos_token_id)}
+            self._tokenizer(self._eos)
+            self._executor = llg.LLExecutor(num_threads=1)
+
+    def _tokenizer(self, stops: frozenset[int]) -> llg.LLTokenizer:
+        tokenizer = self._tokenizers.get(stops)
+        if tokenizer is None:
+            import llguidance.hf
+
+            try:
+                tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                         eos_token=sorted(stops) or None)
+            except ValueError as e:  # a slow (Python) tokenizer
+                raise ValueError(f"structured output: the guidance backend cannot use this tokenizer: {e}") from None
+            self._tokenizers[stops] = tokenizer
+        return tokenizer
+
+    def _compile_key(self, key: GrammarKey) -> _Compiled:
+        import llguidance as llg
+
+        self._setup()
+        grammar = guidance_grammar(key, self.disable_additional_properties)
+        matcher = llg.LLMatcher(self._tokenizer(self._eos), grammar, log_level=0)
+        if matcher.is_error():
+            raise invalid(key[0], matcher.get_error().strip().splitlines()[0])
+        return _Compiled(grammar, matcher)
+
+    def _library_matcher(self, compiled: _Compiled, stop_token_ids: list[int]) -> GuidanceMatcher:
+        stops = frozenset(stop_token_ids)
+        if stops == self._eos:
+            return GuidanceMatcher(compiled.matcher.deep_copy(), stop_token_ids)
+        import llguidance as llg
+
+        return GuidanceMatcher(llg.LLMatcher(self._tokenizer(stops), compiled.grammar, log_level=0), stop_token_ids)
+
+    def _fill_row(self, matcher: GuidanceMatcher, rows: np.ndarray, index: int) -> None:
+        assert rows.flags.c_contiguous and rows.dtype == np.int32
+        row_bytes = rows.shape[1] * 4
+        matcher.inner.unsafe_compute_mask_ptr(rows.ctypes.data + index * row_bytes, row_bytes)
+
+    def _fill_rows(self, matchers: list[Any], rows: np.ndarray, indices: list[int]) -> None:
+        assert rows.flags.c_contiguous and rows.dtype == np.int32 and self._executor is not None
+        self._executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in zip(matchers, indices, strict=True)],
+                                               rows.ctypes.data, rows.shape[1] * 4, rows.shape[0])

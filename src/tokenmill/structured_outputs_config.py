@@ -1,0 +1,68 @@
+"""`--structured-outputs-config`: vLLM's StructuredOutputsConfig JSON, checked once at start-up (torch-free).
+
+`backend` picks the grammar library that builds the token bitmasks of requests with structured outputs
+(structured/): xgrammar, or llguidance ("guidance"); "auto" is xgrammar. `disable_any_whitespace` makes
+every JSON constraint compact (no whitespace between JSON tokens), as a request's own
+`disable_any_whitespace` does for it. `disable_additional_properties` is guidance's: true, or left out,
+makes its JSON objects take only the properties their schema names, as xgrammar's JSON grammars (built in
+its strict mode) always do; false lets them take others where the schema does not forbid them (vLLM's
+guidance default, which tokenmill does not follow: both backends give the same shape unless asked).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+GRAMMAR_BACKENDS = ("xgrammar", "guidance")
+# each backend's library, which the API process loads to check requests' constraints
+LIBRARY_MODULES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+# vLLM's other backends, refused with the ones tokenmill has
+_OTHER_BACKENDS = ("outlines", "lm-format-enforcer")
+# vLLM's fields that take no effect here, accepted at their defaults for command lines written for vLLM
+_INERT_DEFAULTS: dict[str, Any] = {"disable_fallback": False, "reasoning_parser": "", "reasoning_parser_plugin": "",
+                                   "enable_in_reasoning": False}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "xgrammar"  # resolved: one of GRAMMAR_BACKENDS
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
+
+
+def resolve_structured_outputs_config(value: dict[str, Any] | str | None) -> StructuredOutputsConfig:
+    """The config from a dict (Python) or its JSON (the CLI); a ValueError that says what to change."""
+    if value is None:
+        return StructuredOutputsConfig()
+    raw = value
+    if isinstance(value, str):
+        try:
+            raw = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs_config is not valid JSON ({e.msg}): {value!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}")
+    known = {f.name for f in fields(StructuredOutputsConfig)}
+    unknown = sorted(set(raw) - known - set(_INERT_DEFAULTS))
+    if unknown:
+        raise ValueError(f"structured_outputs_config: unknown field(s) {unknown}; "
+                         f"known: {sorted(known | set(_INERT_DEFAULTS))}")
+    for name, default in _INERT_DEFAULTS.items():
+        if name in raw and raw[name] not in (default, None):
+            raise ValueError(f"structured_outputs_config: {name} is not supported by tokenmill (leave it out)")
+    backend = raw.get("backend", "auto")
+    if backend == "auto":
+        backend = "xgrammar"
+    if backend not in GRAMMAR_BACKENDS:
+        extra = " (vLLM's, not built into tokenmill)" if backend in _OTHER_BACKENDS else ""
+        raise ValueError(f"structured_outputs_config: backend {backend!r} unknown{extra}; choose from "
+                         f"{['auto', *GRAMMAR_BACKENDS]}")
+    flags = {}
+    for name, default in (("disable_any_whitespace", False), ("disable_additional_properties", True)):
+        flag = raw.get(name, default)
+        if not isinstance(flag, bool):
+            raise ValueError(f"structured_outputs_config: {name} must be true or false, got {flag!r}")
+        flags[name] = flag
+    return StructuredOutputsConfig(backend=backend, **flags)
