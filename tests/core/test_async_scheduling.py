@@ -24,6 +24,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.core import EngineCore
 from tokenmill.kv_cache_spec import KVCacheConfig
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_outputs_config import StructuredOutputsConfig
 
 from .test_scheduler import EOS, VOCAB, FakeRunner, PreparedStep, Result, workloads
 
@@ -79,9 +80,11 @@ def make_core(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, 
         scheduler=SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling,
                                   schedule_tokens_in_flight=not pipeline),
         cache=CacheConfig(block_size, 0, num_blocks, True),
-        model=SimpleNamespace(max_model_len=max_model_len, tokenizer="", arch=SimpleNamespace(vocab_size=VOCAB)),
+        model=SimpleNamespace(max_model_len=max_model_len, tokenizer="",
+                              arch=SimpleNamespace(vocab_size=VOCAB, eos_token_ids=(EOS,))),
         speculative=None,
         kv_transfer=None,
+        structured_outputs=StructuredOutputsConfig(),
         log_stats=False)  # no model shapes here for the step meter to count with
     executor = FakeExecutor(FakeRunner(block_size, lambda rid, tokens: eos_model(tokens)), num_blocks, not pipeline)
     return EngineCore(cast(EngineConfig, config), executor), executor

@@ -16,8 +16,8 @@ from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.backend import GrammarBackend
 from tokenmill.structured.bitmask import allowed_ids
-from tokenmill.structured.grammar import MAX_JSON_WHITESPACE, grammar_key
-from tokenmill.structured.guidance import GuidanceBackend, closed_objects
+from tokenmill.structured.grammar import MAX_JSON_WHITESPACE, closed_objects, grammar_key
+from tokenmill.structured.guidance import GuidanceBackend
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
 from tokenmill.structured_outputs_config import StructuredOutputsConfig, resolve_structured_outputs_config
 

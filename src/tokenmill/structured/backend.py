@@ -1,6 +1,6 @@
 """The grammar backends' common part: core.structured_output.StructuredOutput for the requests whose
 SamplingParams carry structured_outputs. A backend (xgrammar_backend.py, guidance.py) supplies its library's
-compiler, matchers and bitmask fills through the hooks at the class's end; GRAMMAR_BACKENDS names them for
+compiler, matchers and bitmask fills through the hooks at the class's end; registry.py names them for
 --structured-outputs-config's "backend".
 
 Compilation runs in a thread pool, cached by grammar (an LRU of futures, so requests with the same schema
@@ -9,11 +9,11 @@ ready (is_ready) and schedules the others. Each request gets its own matcher, ad
 takes; draft tokens are tried and rolled back to build their bitmask rows. A request keeps its matcher
 when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own.
 
-A step's bitmasks are filled on a thread of their own (one xgrammar batch call for the rows without
-drafts; xgrammar releases the GIL) while the step is prepared and its forward runs; the worker waits for
-them when it samples. A request's rows are filled once every token before them was told (accept_tokens),
-so with async scheduling the fill for a step waits for the output of the step before it
-(follows_tokens_in_flight).
+A step's bitmasks are filled on a thread of their own (one batch call of the library for the rows
+without drafts, which both libraries run without the GIL) while the step is prepared and its forward
+runs; the worker waits for them when it samples. A request's rows are filled once every token before them
+was told (accept_tokens), so with async scheduling the fill for a step waits for the output of the step
+before it (follows_tokens_in_flight).
 
 A matcher (the library's, or a wrapper with the same methods) has xgrammar's GrammarMatcher interface:
 accept_token (False, state unchanged, for a token the grammar rejects), is_terminated (a stop token was
@@ -156,7 +156,7 @@ class GrammarBackend:
             return {}
         if not any(d for *_, d in jobs) and all(st.num_accepted >= before for _, st, before, _ in jobs):
             # every token before this step told (this thread tells them): the rows are laid out here and the
-            # fill thread makes only xgrammar's batch call, which runs without the GIL
+            # fill thread makes only the library's batch call, which runs without the GIL
             out, rows, matchers, fresh = self._lay_out(jobs)
             if not fresh:
                 return out

@@ -1,8 +1,9 @@
 """From a request's StructuredOutputsParams to the key its compiled grammar is cached under, and from a key
 to the grammar (tokenizer-independent) of each backend: an xgrammar Grammar, or llguidance's grammar text
-(structured/guidance.py). Building the grammar is the check that a schema, regex or EBNF grammar is valid:
-the engine's InputProcessor calls check_structured_outputs, with the engine's backend, before a request
-reaches the core, so a bad one is a ValueError (an HTTP 400) that names the constraint."""
+(guidance_grammar, for structured/guidance.py). Building the grammar is the check that a schema, regex or
+EBNF grammar is valid: the engine's InputProcessor calls check_structured_outputs, with the engine's
+backend, before a request reaches the core, so a bad one is a ValueError (an HTTP 400) that names the
+constraint."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 # whitespace characters allowed between two JSON tokens where any whitespace is: room for indented
 # output, and a bound on a model that would otherwise emit whitespace until max_tokens
 MAX_JSON_WHITESPACE = 24
+_WHITESPACE = r"[\x20\x0A\x0D\x09]"  # JSON's whitespace characters, as a regex class (guidance's option)
 GrammarKey = tuple[str, str, bool]  # (kind, the constraint's canonical text, free whitespace in JSON)
 
 
@@ -53,6 +55,46 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
         raise invalid(kind, _first_line(e)) from None
 
 
+def guidance_grammar(key: GrammarKey, disable_additional_properties: bool = True) -> str:
+    """llguidance's grammar text for a key; a ValueError that says what is wrong when it is not valid."""
+    import llguidance as llg
+
+    kind, text, any_whitespace = key
+    try:
+        if kind in ("json", "json_object"):
+            schema: Any = json.loads(text) if kind == "json" else {"type": "object"}
+            if disable_additional_properties:
+                schema = closed_objects(schema)
+            options: dict[str, Any] = {"whitespace_flexible": any_whitespace}
+            if any_whitespace:
+                options["whitespace_pattern"] = f"{_WHITESPACE}{{1,{MAX_JSON_WHITESPACE}}}"
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(text)
+        elif kind == "choice":
+            grammar = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+        else:
+            grammar = llg.grammar_from("grammar", text)
+    except ValueError as e:
+        raise invalid(kind, str(e).strip().splitlines()[0]) from None
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise invalid(kind, error.strip().splitlines()[0])
+    return grammar
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `"additionalProperties": false` in every object schema that does not say otherwise."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def check_structured_outputs(params: StructuredOutputsParams, backend: str = "xgrammar") -> None:
     """Raise ValueError when the constraint cannot be turned into the backend's grammar."""
     _check_key(grammar_key(params), backend)
@@ -68,8 +110,6 @@ def _check_key(key: GrammarKey, backend: str) -> None:
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured output: a JSON schema must be an object")
     if backend == "guidance":
-        from tokenmill.structured.guidance import guidance_grammar
-
         guidance_grammar(key)
     else:
         build_grammar(key)

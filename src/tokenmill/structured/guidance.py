@@ -13,7 +13,6 @@ with other stop tokens gets a matcher built for its own (compiled again, on the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,53 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tokenmill.structured.backend import DEFAULT_CACHE_SIZE, GrammarBackend
-from tokenmill.structured.grammar import MAX_JSON_WHITESPACE, GrammarKey, invalid
+from tokenmill.structured.grammar import GrammarKey, guidance_grammar, invalid
 
 if TYPE_CHECKING:
     import llguidance as llg
-
-_WHITESPACE = r"[\x20\x0A\x0D\x09]"
-
-
-def guidance_grammar(key: GrammarKey, disable_additional_properties: bool = True) -> str:
-    """llguidance's grammar text for a key; a ValueError that says what is wrong when it is not valid."""
-    import llguidance as llg
-
-    kind, text, any_whitespace = key
-    try:
-        if kind in ("json", "json_object"):
-            schema: Any = json.loads(text) if kind == "json" else {"type": "object"}
-            if disable_additional_properties:
-                schema = closed_objects(schema)
-            options: dict[str, Any] = {"whitespace_flexible": any_whitespace}
-            if any_whitespace:
-                options["whitespace_pattern"] = f"{_WHITESPACE}{{1,{MAX_JSON_WHITESPACE}}}"
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
-        elif kind == "regex":
-            grammar = llg.LLMatcher.grammar_from_regex(text)
-        elif kind == "choice":
-            grammar = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
-        else:
-            grammar = llg.grammar_from("grammar", text)
-    except ValueError as e:
-        raise invalid(kind, str(e).strip().splitlines()[0]) from None
-    error = llg.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise invalid(kind, error.strip().splitlines()[0])
-    return grammar
-
-
-def closed_objects(schema: Any) -> Any:
-    """The schema with `"additionalProperties": false` in every object schema that does not say otherwise."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
 
 class GuidanceMatcher:
     """An LLMatcher behind xgrammar's GrammarMatcher interface (structured/backend.py's matchers)."""
