@@ -11,6 +11,7 @@ create parameters of other shapes and dtypes (packed ints, scales, zeros) with t
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -203,8 +204,17 @@ class Embedding(nn.Embedding):
 
 # ---- the unquantized method ----------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1)
 def packing_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether oneDNN packs bf16 weights here: its bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
+    on a CPU without them (an AVX2-only one) packing raises, so it is tried once on a small weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def onednn_rows(m: int) -> int:
