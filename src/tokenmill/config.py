@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from tokenmill.arch import RUNNERS, ArchConfig, load_arch_config
+from tokenmill.cpu_features import cpu_runs_bf16
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
 from tokenmill.kv_transfer_config import KVTransferConfig, resolve_kv_transfer_config
 from tokenmill.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig, resolve_parallel_config
@@ -585,6 +586,8 @@ def _resolve_dtype(dtype: str, arch: ArchConfig, device: str, runner: str = "gen
                              "know; set --dtype (dtype=) to bfloat16, float16 or float32 to run it in that")
         if dtype == "float16" and device == "cpu":
             dtype = "bfloat16"  # fp16 matmul is orders of magnitude slower than bf16 on CPUs
+        if dtype == "bfloat16" and device == "cpu" and not cpu_runs_bf16():
+            dtype = "float32"  # an AVX2-only CPU: torch's bf16 linear layers are slower than float32 ones there
     return dtype
 
 

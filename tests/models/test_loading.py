@@ -55,13 +55,23 @@ def test_transformers4_dialect_checkpoint_generates_alike(model_dirs: dict[str, 
     assert got[0] == got[1] == hf_greedy(src, prompt, 12)
 
 
-def test_dtype_resolution(model_dirs: dict[str, str]) -> None:
+@pytest.mark.parametrize("flags", [frozenset({"avx2", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+                                   frozenset({"avx2", "fma"}), frozenset({"avx2", "avx_ne_convert"}), frozenset()],
+                         ids=["avx512-bf16", "avx2-only", "avx-ne-convert", "no-flags-line"])
+def test_dtype_resolution(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch, flags: frozenset[str]) -> None:
+    monkeypatch.setattr("tokenmill.cpu_features.cpu_flags", lambda: flags)
+    runs_bf16 = flags != {"avx2", "fma"}  # oneDNN's bf16 matmul needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT
     arch = load_arch_config(model_dirs["qwen2-mha"])
     fp16 = parse_arch_config({**_raw(model_dirs["qwen2-mha"]), "dtype": "float16"})
+    bf16 = parse_arch_config({**_raw(model_dirs["qwen2-mha"]), "dtype": "bfloat16"})
     assert _resolve_dtype("auto", arch, "cpu") == "float32"  # the fixture is saved in float32
-    assert _resolve_dtype("auto", fp16, "cpu") == "bfloat16"  # fp16 matmul is ~300x slower on CPU
+    # fp16 matmul is ~300x slower than bf16 on CPUs; bf16 slower than float32 where oneDNN has no bf16 path
+    assert _resolve_dtype("auto", fp16, "cpu") == ("bfloat16" if runs_bf16 else "float32")
+    assert _resolve_dtype("auto", bf16, "cpu") == ("bfloat16" if runs_bf16 else "float32")
     assert _resolve_dtype("auto", fp16, "cuda") == "float16"
+    assert _resolve_dtype("auto", bf16, "cuda") == "bfloat16"
     assert _resolve_dtype("float16", fp16, "cpu") == "float16"  # asked for explicitly
+    assert _resolve_dtype("bfloat16", arch, "cpu") == "bfloat16"
     with pytest.raises(ValueError, match="dtype"):
         _resolve_dtype("int3", arch, "cpu")
 

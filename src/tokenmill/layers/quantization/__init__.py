@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.cpu_features import cpu_flags
 from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod, in_onednn_rows
 from tokenmill.layers.quantization import formats
 from tokenmill.layers.quantization import reference as ref
@@ -31,19 +32,6 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the kernels take; larger batches are compute-bound matmuls
 W8A8_VNNI_MAX_ROWS = 16  # W8A8: rows the VNNI kernel takes; oneDNN's int8 matmul (AMX where there is one) beyond
 REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def quantized_kernels(ops: Any) -> Any:
