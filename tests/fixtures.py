@@ -9,11 +9,29 @@ import os
 import sysconfig
 from typing import Any
 
+import pytest
 import torch
 
 VOCAB = 512
 EOS = 0
 BOS = 1
+
+
+@functools.lru_cache(maxsize=1)
+def fused_decode_possible() -> bool:
+    """Whether a bf16 model takes the fused C++ decode step here: the kernels are built and oneDNN packs bf16
+    weights (it needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU runs the Python layer loop)."""
+    from tokenmill.kernels import load_cpu_kernels
+    from tokenmill.layers.linear import packing_available
+
+    return load_cpu_kernels() is not None and packing_available()
+
+
+def require_fused_decode() -> None:
+    """Skips a test of the fused decode step itself where this CPU has none."""
+    if not fused_decode_possible():
+        pytest.skip("no fused decode step on this CPU (C++ kernels not built, or oneDNN cannot pack bf16 weights: "
+                    "no AVX-512)")
 
 
 def train_tokenizer(out_dir: str) -> None:

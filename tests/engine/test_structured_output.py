@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_prompts
-from tests.fixtures import VOCAB
+from tests.fixtures import VOCAB, fused_decode_possible, require_fused_decode
 from tests.spec_decode.test_spec_decode import Garbage, Oracle
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
@@ -99,7 +99,7 @@ def test_constrained_requests_obey_and_the_others_keep_their_tokens(llama_dir: s
                                                                     seeded: bool) -> None:
     llm = LLM(llama_dir, dtype=dtype, kv_cache_memory="8MiB", async_scheduling=False)
     if dtype == "bfloat16":  # the fused greedy decode would take these steps without the bitmask
-        assert llm.engine.core.executor.runner.fused_decode is not None
+        assert (llm.engine.core.executor.runner.fused_decode is not None) == fused_decode_possible()
     free = tokens(llm, seeded)
     constrained, grammar = grammar_run(llm, seeded)
     check(free, constrained)
@@ -112,6 +112,7 @@ def test_bitmasks_filled_late_take_the_fused_lm_head(llama_dir: str, monkeypatch
     # whose bitmasks were in at its start (one decode_greedy call)
     from tokenmill.worker.sampling_metadata import SamplingMetadata
 
+    require_fused_decode()
     llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory="8MiB", async_scheduling=False)
     fused = llm.engine.core.executor.runner.fused_decode
     assert fused is not None

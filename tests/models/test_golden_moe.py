@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import random_prompts
-from tests.fixtures import _hf_model, hf_greedy
+from tests.fixtures import _hf_model, hf_greedy, require_fused_decode
 from tests.models.test_golden import BACKENDS, MAX_TOKENS, PROMPTS, expected, run
 from tokenmill import LLM, SamplingParams
 from tokenmill.arch_moe import MLAConfig
@@ -110,6 +110,7 @@ def test_missing_tensor_is_named(model_dirs: dict[str, str], tmp_path: os.PathLi
 def test_fused_decode_takes_mixtral_and_declines_the_other_routings(model_dirs: dict[str, str]) -> None:
     """Mixtral's routed experts run in the fused decode kernel (tests/kernels/cpu/fused_decode: bitwise
     against the layer loop); a shared expert (Qwen2-MoE), q/k norms (Qwen3-MoE) and MLA keep the layer loop."""
+    require_fused_decode()
     dense = LLM(model_dirs["llama-gqa2-tied"], dtype="bfloat16", kv_cache_memory="4MiB", attention_backend="cpu")
     if dense.engine.core.executor.runner.fused_decode is None:
         pytest.fail("the fused decode path is off for a dense model: the C++ kernels are not built")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.fixtures import fused_decode_possible
 from tests.spec_decode.test_spec_decode import Garbage, Oracle
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import load_cpu_kernels
@@ -43,7 +44,7 @@ def make(llama_dir: str, dtype: str = "bfloat16", reference: bool = False, **kw:
         runner.fused_decode = None  # the Python layer loop
         runner.sampler.ops = None  # the torch sampler: the bitmask unpacked, then argmax or sampling
     elif dtype == "bfloat16":
-        assert runner.fused_decode is not None and runner.sampler.ops is not None
+        assert (runner.fused_decode is not None) == fused_decode_possible() and runner.sampler.ops is not None
     return llm
 
 

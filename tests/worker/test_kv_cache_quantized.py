@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from tests.conftest import random_prompts
-from tests.fixtures import greedy_ids
+from tests.fixtures import greedy_ids, require_fused_decode
 from tokenmill import LLM
 from tokenmill.kv_cache_spec import FullAttentionSpec, kv_storage_dtype
 from tokenmill.layers.attention import attention_layers
@@ -140,6 +140,7 @@ def test_fp8_cache_matches_the_reference(model_dirs: dict[str, str]) -> None:
 
 def test_bf16_model_takes_the_fused_decode_and_runs(llama_dir: str) -> None:
     # the fused loop writes and reads the quantized cache (tests/kernels/cpu/fused_decode: equal to the layer loop)
+    require_fused_decode()
     llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory="8MiB", kv_cache_dtype="int8")
     runner = llm.engine.core.executor.runner
     assert runner.fused_decode is not None and len(runner.fused_decode.kv_scales) == 2 * len(runner.model.layers)
