@@ -61,7 +61,8 @@ def test_the_pool_holds_about_twice_the_2k_sequences_with_int8(wide_dir: str) ->
     # the same --kv-cache-memory: the planned and allocated pool, in 2048-token sequences
     seqs, nbytes = {}, {}
     for kv in ("auto", "int8", "fp8_e4m3"):
-        llm = LLM(wide_dir, skip_tokenizer_init=True, kv_cache_memory="8MiB", block_size=16, kv_cache_dtype=kv)
+        llm = LLM(wide_dir, dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory="8MiB", block_size=16,
+                  kv_cache_dtype=kv)
         runner = llm.engine.core.executor.runner
         blocks = llm.engine.core.scheduler.kv.pool.num_blocks
         assert blocks == llm.engine.core.executor.kv_cache_config.num_blocks
