@@ -20,6 +20,7 @@ import psutil
 
 from tokenmill.arch import RUNNERS, ArchConfig, load_arch_config
 from tokenmill.cpu_features import cpu_runs_bf16
+from tokenmill.json_arg import json_object
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
 from tokenmill.kv_transfer_config import KVTransferConfig, resolve_kv_transfer_config
 from tokenmill.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig, resolve_parallel_config
@@ -532,15 +533,7 @@ def _check_writable_dir(path: str) -> None:
 
 def _spec_dict(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
     """speculative_config as given: a dict (Python), or its JSON (the CLI)."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"speculative_config is not valid JSON ({e.msg}): {value!r}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-    return parsed
+    return None if value is None else json_object(value, "speculative_config")
 
 
 def default_block_size(device: str) -> int:

@@ -10,9 +10,10 @@ connector, which needs that library installed.
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from tokenmill.json_arg import json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_CONNECTOR = "ZMQConnector"
@@ -68,14 +69,7 @@ def resolve_kv_transfer_config(value: dict[str, Any] | str | None) -> KVTransfer
     """The config from a dict (Python) or its JSON (the CLI); one ValueError that says what to change."""
     if value is None:
         return None
-    raw: Any = value
-    if isinstance(value, str):
-        try:
-            raw = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config is not valid JSON ({e.msg}): {value!r}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
+    raw = json_object(value, "kv_transfer_config")
     known = {f.name for f in fields(KVTransferConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.json_arg import json_object
+
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 # sentence-transformers' Pooling config flags -> our pooling type
 _ST_MODES = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
@@ -36,22 +38,16 @@ class PoolerConfig:
 
 def parse_pooler_config(value: str | dict[str, Any]) -> dict[str, Any]:
     """--pooler-config's JSON object (vLLM's field names: pooling_type, normalize), checked."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"pooler_config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("pooler_config must be a JSON object like {\"pooling_type\": \"MEAN\", \"normalize\": true}")
-    unknown = set(value) - {"pooling_type", "normalize"}
+    raw = json_object(value, "pooler_config")
+    unknown = set(raw) - {"pooling_type", "normalize"}
     if unknown:
         raise ValueError(f"pooler_config: unknown field(s) {', '.join(sorted(unknown))} "
                          "(known: pooling_type, normalize)")
-    if "pooling_type" in value and not isinstance(value["pooling_type"], str):
+    if "pooling_type" in raw and not isinstance(raw["pooling_type"], str):
         raise ValueError("pooler_config: pooling_type must be a string")
-    if "normalize" in value and not isinstance(value["normalize"], bool):
+    if "normalize" in raw and not isinstance(raw["normalize"], bool):
         raise ValueError("pooler_config: normalize must be true or false")
-    out = dict(value)
+    out = dict(raw)
     if "pooling_type" in out:
         out["pooling_type"] = out["pooling_type"].upper()
     return out

@@ -11,9 +11,10 @@ guidance default, which tokenmill does not follow: both backends give the same s
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from tokenmill.json_arg import json_object
 
 GRAMMAR_BACKENDS = ("xgrammar", "guidance")
 # each backend's library, which the API process loads to check requests' constraints
@@ -36,14 +37,7 @@ def resolve_structured_outputs_config(value: dict[str, Any] | str | None) -> Str
     """The config from a dict (Python) or its JSON (the CLI); a ValueError that says what to change."""
     if value is None:
         return StructuredOutputsConfig()
-    raw = value
-    if isinstance(value, str):
-        try:
-            raw = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs_config is not valid JSON ({e.msg}): {value!r}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}")
+    raw = json_object(value, "structured_outputs_config")
     known = {f.name for f in fields(StructuredOutputsConfig)}
     unknown = sorted(set(raw) - known - set(_INERT_DEFAULTS))
     if unknown:
