@@ -120,3 +120,16 @@ def test_a_request_with_other_stop_tokens_than_the_engines(tokenizer: Any) -> No
     assert allowed & {EOS, *other} == set(other)  # its own stop tokens, not the engine's
     assert b.accept_tokens(req, [other[1]])  # a stop token ends it
     b.shutdown()
+
+
+@pytest.mark.parametrize(("schema", "says"), [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
+    ({"type": "string", "pattern": "^(?=a)a+$"}, "look-around"),  # (xgrammar ignores the look-ahead)
+])
+def test_guidance_refuses_what_it_does_not_implement_in_one_line(schema: dict[str, Any], says: str) -> None:
+    from tokenmill.structured.grammar import check_structured_outputs
+
+    check_structured_outputs(StructuredOutputsParams(json=schema), "xgrammar")
+    with pytest.raises(ValueError, match="invalid JSON schema") as error:
+        check_structured_outputs(StructuredOutputsParams(json=schema), "guidance")
+    assert says in str(error.value) and "\n" not in str(error.value)

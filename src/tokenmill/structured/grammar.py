@@ -76,11 +76,21 @@ def guidance_grammar(key: GrammarKey, disable_additional_properties: bool = True
         else:
             grammar = llg.grammar_from("grammar", text)
     except ValueError as e:
-        raise invalid(kind, str(e).strip().splitlines()[0]) from None
+        raise invalid(kind, guidance_message(str(e))) from None
     error = llg.LLMatcher.validate_grammar(grammar)
     if error:
-        raise invalid(kind, error.strip().splitlines()[0])
+        raise invalid(kind, guidance_message(error))
     return grammar
+
+
+def guidance_message(text: str) -> str:
+    """llguidance's error in one line: its first line, and the line that says what is wrong where the first
+    only says where (a regex error prints the pattern and a caret line between them)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return "rejected by llguidance"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return lines[0] if detail is None else f"{lines[0]} {detail}"
 
 
 def closed_objects(schema: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tokenmill.structured.backend import DEFAULT_CACHE_SIZE, GrammarBackend
-from tokenmill.structured.grammar import GrammarKey, guidance_grammar, invalid
+from tokenmill.structured.grammar import GrammarKey, guidance_grammar, guidance_message, invalid
 
 if TYPE_CHECKING:
     import llguidance as llg
@@ -95,7 +95,7 @@ class GuidanceBackend(GrammarBackend):
         grammar = guidance_grammar(key, self.disable_additional_properties)
         matcher = llg.LLMatcher(self._tokenizer(self._eos), grammar, log_level=0)
         if matcher.is_error():
-            raise invalid(key[0], matcher.get_error().strip().splitlines()[0])
+            raise invalid(key[0], guidance_message(matcher.get_error()))
         return _Compiled(grammar, matcher)
 
     def _library_matcher(self, compiled: _Compiled, stop_token_ids: list[int]) -> GuidanceMatcher:
