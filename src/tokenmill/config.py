@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import importlib.util
 import json
+import logging
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -28,6 +29,7 @@ from tokenmill.pooling import PoolerConfig, checkpoint_max_seq_length, resolve_p
 from tokenmill.quantization_config import QUANTIZATION_METHODS, QuantConfig, resolve_quantization
 from tokenmill.structured_outputs_config import StructuredOutputsConfig, resolve_structured_outputs_config
 
+logger = logging.getLogger(__name__)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -580,7 +582,10 @@ def _resolve_dtype(dtype: str, arch: ArchConfig, device: str, runner: str = "gen
         if dtype == "float16" and device == "cpu":
             dtype = "bfloat16"  # fp16 matmul is orders of magnitude slower than bf16 on CPUs
         if dtype == "bfloat16" and device == "cpu" and not cpu_runs_bf16():
-            dtype = "float32"  # an AVX2-only CPU: torch's bf16 linear layers are slower than float32 ones there
+            # an AVX2-only CPU: torch's bf16 linear layers are slower than float32 ones there
+            logger.warning("this CPU has no bfloat16 matmul (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): running the "
+                           "model in float32 (--dtype bfloat16 keeps it in bfloat16)")
+            dtype = "float32"
     return dtype
 
 
