@@ -54,7 +54,7 @@ def test_runner_flags(llama_dir: str, bert_dir: str) -> None:
         EngineArgs(llama_dir, pooler_config='{"pooling_type": "MEAN"}').create_engine_config()
     with pytest.raises(ValueError, match="runner must be"):
         EngineArgs(llama_dir, runner="embed").create_engine_config()
-    for bad, match in (('{"pooling_type": "MAX"}', "MAX"), ("{", "not JSON"), ('{"softmax": true}', "softmax")):
+    for bad, match in (('{"pooling_type": "MAX"}', "MAX"), ("{", "not valid JSON"), ('{"softmax": true}', "softmax")):
         with pytest.raises(ValueError, match=match):
             EngineArgs(llama_dir, runner="pooling", pooler_config=bad).create_engine_config()
     assert parse_pooler_config('{"pooling_type": "mean", "normalize": false}') == {"pooling_type": "MEAN",

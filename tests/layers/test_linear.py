@@ -22,7 +22,7 @@ from tokenmill.layers.linear import (
     packing_available,
 )
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
+pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN cannot pack bf16 weights here")
 
 
 @pytest.mark.parametrize("batch", [1, 3, 64, 300])
