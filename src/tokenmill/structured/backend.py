@@ -9,8 +9,8 @@ ready (is_ready) and schedules the others. Each request gets its own matcher, ad
 takes; draft tokens are tried and rolled back to build their bitmask rows. A request keeps its matcher
 when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own.
 
-A step's bitmasks are filled on a thread of their own (one batch call of the library for the rows
-without drafts, which both libraries run without the GIL) while the step is prepared and its forward
+A step's bitmasks are filled on a thread of their own (for the rows without drafts, one xgrammar batch
+call, or llguidance's calls row by row; both run without the GIL) while the step is prepared and its forward
 runs; the worker waits for them when it samples. A request's rows are filled once every token before them
 was told (accept_tokens), so with async scheduling the fill for a step waits for the output of the step
 before it (follows_tokens_in_flight).
@@ -156,7 +156,7 @@ class GrammarBackend:
             return {}
         if not any(d for *_, d in jobs) and all(st.num_accepted >= before for _, st, before, _ in jobs):
             # every token before this step told (this thread tells them): the rows are laid out here and the
-            # fill thread makes only the library's batch call, which runs without the GIL
+            # fill thread makes only the library's calls, which run without the GIL
             out, rows, matchers, fresh = self._lay_out(jobs)
             if not fresh:
                 return out

@@ -1,6 +1,6 @@
 """The llguidance grammar backend (--structured-outputs-config '{"backend": "guidance"}'): a request's
 constraint as llguidance grammar text, one LLMatcher per request (a copy of the one compiled per grammar),
-and llguidance's executor for a step's rows.
+and a step's rows filled one by one (each call runs without the GIL).
 
 JSON follows the xgrammar backend's rules: whitespace between JSON tokens bounded by MAX_JSON_WHITESPACE
 characters, none with disable_any_whitespace; objects take only the properties their schema names (as
@@ -63,17 +63,13 @@ class GuidanceBackend(GrammarBackend):
         self._eos = frozenset(eos_token_ids)  # the checkpoint's; the tokenizer's is added in _setup
         self._hf_tokenizer: Any = None
         self._tokenizers: dict[frozenset[int], llg.LLTokenizer] = {}  # by stop tokens
-        self._executor: llg.LLExecutor | None = None
 
     def _setup(self) -> None:
         if self._hf_tokenizer is None:  # (only the pool's one thread runs this)
-            import llguidance as llg
-
             self._hf_tokenizer = self._load_tokenizer()
             if self._hf_tokenizer.eos_token_id is not None:
                 self._eos = self._eos | {int(self._hf_tokenizer.eos_token_id)}
             self._tokenizer(self._eos)
-            self._executor = llg.LLExecutor(num_threads=1)
 
     def _tokenizer(self, stops: frozenset[int]) -> llg.LLTokenizer:
         tokenizer = self._tokenizers.get(stops)
@@ -112,6 +108,7 @@ class GuidanceBackend(GrammarBackend):
         matcher.inner.unsafe_compute_mask_ptr(rows.ctypes.data + index * row_bytes, row_bytes)
 
     def _fill_rows(self, matchers: list[Any], rows: np.ndarray, indices: list[int]) -> None:
-        assert rows.flags.c_contiguous and rows.dtype == np.int32 and self._executor is not None
-        self._executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in zip(matchers, indices, strict=True)],
-                                               rows.ctypes.data, rows.shape[1] * 4, rows.shape[0])
+        # row by row on the fill thread: llguidance's LLExecutor runs a batch on a thread pool of its own, whose
+        # threads compete with the model's compute threads
+        for m, i in zip(matchers, indices, strict=True):
+            self._fill_row(m, rows, i)
