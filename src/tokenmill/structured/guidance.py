@@ -25,6 +25,7 @@ from tokenmill.structured.grammar import GrammarKey, guidance_grammar, guidance_
 if TYPE_CHECKING:
     import llguidance as llg
 
+
 class GuidanceMatcher:
     """An LLMatcher behind xgrammar's GrammarMatcher interface (structured/backend.py's matchers)."""
 
