@@ -204,14 +204,24 @@ class Embedding(nn.Embedding):
 
 # ---- the unquantized method ----------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
 def packing_available() -> bool:
     """Whether oneDNN packs bf16 weights here: its bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
-    on a CPU without them (an AVX2-only one) packing raises, so it is tried once on a small weight."""
+    on a CPU without them (an AVX2-only one) packing raises."""
+    return _packs(torch.bfloat16)
+
+
+def float32_packing_available() -> bool:
+    """Whether oneDNN packs float32 weights here."""
+    return _packs(torch.float32)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's reorder takes a weight of this dtype, tried once on a small one."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64, dtype=dtype), 1)
     except RuntimeError:
         return False
     return True
@@ -253,12 +263,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class UnquantizedLinearMethod:
-    """Float weights. `pack`: reorder bf16 CPU weights for oneDNN after loading. `ops`: tokenmill's C++
-    CPU kernels, whose GEMV then takes as many rows as it is the faster kernel for, once a probe has
-    checked that it reads this oneDNN's packed layout."""
+    """Float weights. `pack`: reorder bf16 CPU weights for oneDNN after loading (float32 ones where oneDNN has no
+    bf16 path). `ops`: tokenmill's C++ CPU kernels, whose GEMV then takes as many rows as it is the faster
+    kernel for, once a probe has checked that it reads this oneDNN's packed layout."""
 
     def __init__(self, ops: Any = None, pack: bool = True) -> None:
         self.pack = pack and packing_available()
+        # where oneDNN has no bf16 path (an AVX2-only CPU, where dtype auto is float32), float32 weights are packed
+        # too: oneDNN's packed float32 product runs there where torch's F.linear takes MKL's
+        self.pack_float32 = pack and not self.pack and float32_packing_available()
         self.gemv_ops = ops if ops is not None and self.pack and _gemv_usable(ops) else None
         # oneDNN chooses the packed layout per shape (on an AMX Xeon, N = 64 gets one of the same size that
         # the GEMV does not read), so each (N, K) is checked once against oneDNN's own product
@@ -274,7 +287,8 @@ class UnquantizedLinearMethod:
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight
-        if not (self.pack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+        packs = (self.pack and weight.dtype == torch.bfloat16) or (self.pack_float32 and weight.dtype == torch.float32)
+        if not (packs and weight.device.type == "cpu"):
             return
         layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
         layer.packed = True
