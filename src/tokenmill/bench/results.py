@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.cpu_features import isa_flags
 from tokenmill.metrics.ceilings import cpu_name
 
 
@@ -54,7 +55,7 @@ def git_commit() -> str | None:
 
 
 def machine() -> dict[str, Any]:
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu_name(), "isa": isa_flags(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version()}
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from tokenmill.bench.results import ResultSink, emit, machine
 from tokenmill.config import default_num_threads
+from tokenmill.cpu_features import isa_flags
 from tokenmill.metrics.ceilings import (
     CEILING_FIELDS,
     Ceilings,
@@ -45,7 +46,6 @@ from tokenmill.metrics.ceilings import (
 FIELDS = ("mem_read_GBps", "mem_read_stream_GBps", "mem_read_torch_GBps", "mem_copy_GBps", "matvec_bf16_GBps",
           "peak_fp32_gflops", "peak_bf16_gflops", "peak_fp32_avx512_gflops", "peak_bf16_avx512_gflops",
           "peak_bf16_amx_gflops", "matmul_fp32_gflops", "matmul_bf16_gflops")
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 PEAK_LOOP_S = 0.2  # each timed peak loop runs about this long
 
 
@@ -180,15 +180,6 @@ def ceilings(dtype: str, bandwidth: float | None = None, flops: float | None = N
         t = threads or default_num_threads()
         c = from_figures(dtype, cached_measure(t, device=device)[0], f"measured (threads={t})", bandwidth, flops)
     return c
-
-
-def isa_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [f for f in ISA_FLAGS if f in flags]
 
 
 def thread_counts(spec: str | None) -> list[int]:
