@@ -16,9 +16,9 @@ from typing import Any
 
 from tokenmill.json_arg import json_object
 
-GRAMMAR_BACKENDS = ("xgrammar", "guidance")
 # each backend's library, which the API process loads to check requests' constraints
 LIBRARY_MODULES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+GRAMMAR_BACKENDS = tuple(LIBRARY_MODULES)
 # vLLM's other backends, refused with the ones tokenmill has
 _OTHER_BACKENDS = ("outlines", "lm-format-enforcer")
 # vLLM's fields that take no effect here, accepted at their defaults for command lines written for vLLM
@@ -53,10 +53,8 @@ def resolve_structured_outputs_config(value: dict[str, Any] | str | None) -> Str
         extra = " (vLLM's, not built into tokenmill)" if backend in _OTHER_BACKENDS else ""
         raise ValueError(f"structured_outputs_config: backend {backend!r} unknown{extra}; choose from "
                          f"{['auto', *GRAMMAR_BACKENDS]}")
-    flags = {}
-    for name, default in (("disable_any_whitespace", False), ("disable_additional_properties", True)):
-        flag = raw.get(name, default)
+    flags = {f.name: raw.get(f.name, f.default) for f in fields(StructuredOutputsConfig) if f.name != "backend"}
+    for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise ValueError(f"structured_outputs_config: {name} must be true or false, got {flag!r}")
-        flags[name] = flag
     return StructuredOutputsConfig(backend=backend, **flags)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.sampling_params import StructuredOutputsParams
@@ -119,10 +120,11 @@ def _check_key(key: GrammarKey, backend: str) -> None:
             raise ValueError("structured output: the JSON schema is not valid JSON") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured output: a JSON schema must be an object")
-    if backend == "guidance":
-        guidance_grammar(key)
-    else:
-        build_grammar(key)
+    _BUILDERS[backend](key)
+
+
+# each backend's grammar from a key (structured_outputs_config.GRAMMAR_BACKENDS)
+_BUILDERS: dict[str, Callable[[GrammarKey], Any]] = {"xgrammar": build_grammar, "guidance": guidance_grammar}
 
 
 def _schema_text(schema: str | dict[str, Any]) -> str:
