@@ -2,7 +2,7 @@
 
     python3 tools/gpu_bench.py hf MODEL --batch-sizes 64,256 [--num-prompts 256 --input-len 32:512 --output-len 32:256]
     python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE --launch-ahead off
-                                             --no-profiler] [engine args: --attention-backend cuda ...]
+                                             --gemv off --no-profiler] [engine args: --attention-backend cuda ...]
 
 `hf`: transformers `generate` on the GPU over `tokenmill bench throughput`'s random workload (same seed, same
 prompts and max_tokens): static batches in workload order, left-padded, greedy, EOS ignored, each batch run to
@@ -85,6 +85,10 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
 
     from tokenmill import LLM, SamplingParams
 
+    if args.gemv == "off":  # cuBLAS for decode batches too (the A/B of kernels/triton/gemv.py), before capture
+        import tokenmill.worker.worker as worker_module
+
+        worker_module.use_triton_gemv = lambda model, ops: 0  # type: ignore[assignment]
     llm = LLM(model=args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
     runner = llm.engine.core.executor.worker.model_runner
     if args.launch_ahead == "off":  # the worker thread runs every step (the A/B of ModelRunner.launch)
@@ -106,14 +110,14 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     config = llm.engine.config
     common = {"model": args.model, "attention_backend": config.attention_backend,
               "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
-              "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0,
+              "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0, "gemv": args.gemv,
               "batch": args.batch, "steps": steps, "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
               "device": device_name()}
     if prof is None:
         return {"bench": "gpu-step-time", **common}
     if args.table:  # the host-side ops that took the most time, for finding the CPU's share of a step
         with open(args.table, "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=80))
+            f.write(prof.key_averages().table(sort_by=args.table_sort, row_limit=60, max_name_column_width=80))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -148,6 +152,10 @@ def main(argv: list[str]) -> int:
                     help="time the decode window only (gpu-step-time), without the profiler's overhead")
     pr.add_argument("--table", help="write the profiler's op table (by self CPU time) to this file")
     pr.add_argument("--trace", help="write the profiler's Chrome trace to this file")
+    pr.add_argument("--table-sort", default="self_cpu_time_total",
+                    help="the table's order: self_cpu_time_total, or self_device_time_total for the GPU's kernels")
+    pr.add_argument("--gemv", choices=("on", "off"), default="on",
+                    help="off: decode batches through cuBLAS, not the Triton GEMV (triton backend), for an A/B")
     EngineArgs.add_cli_args(pr)
     pr.add_argument("model")
     args = p.parse_args(argv)

@@ -7,6 +7,7 @@ Triton's interpreter (a few families, slow), and on a GPU for every family with 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ import torch
 from tests.conftest import random_prompts
 from tests.fixtures import MODEL_SPECS, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.triton.gemv import TritonGemv
+from tokenmill.layers import linear
+from tokenmill.layers.linear import use_triton_gemv
 
 BACKENDS = ["torch_ref", "sdpa", "cpu"]
 PROMPTS = random_prompts(9, 3, 60, seed=1)  # mistral's window (24) is shorter than most
@@ -99,6 +103,32 @@ def test_triton_backend(model_dirs: dict[str, str]) -> None:
     prompts, max_tokens = [PROMPTS[1], PROMPTS[3]], [6, 5]
     assert run(llm, prompts, max_tokens) == expected(model_dir, prompts, max_tokens)
     check_prefix_hits(llm, model_dir, 3)
+
+
+def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the GPU's decode path on the CPU: the Triton GEMV in every linear layer (decode batches of up to
+    # GEMV_MAX_ROWS rows, the lm_head's included) and in the MLP's gated down projection, under the interpreter;
+    # float32 weights stay unpacked so that the GEMV takes them (on a CPU without oneDNN bf16 they are packed)
+    monkeypatch.setattr(linear, "float32_packing_available", lambda: False)
+    model_dir = model_dirs["llama-gqa4-untied"]  # (an untied lm_head: a linear layer of its own)
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", block_size=16,
+              max_num_seqs=4)
+    model = llm.engine.core.executor.worker.model
+    assert use_triton_gemv(model, TritonGemv()) > 0
+    calls = {"gemv": 0, "gated": 0}
+    gemv_calls, gated_calls = TritonGemv.packed_gemv, TritonGemv.gated_gemv
+
+    def count(name: str, fn: Any) -> Any:
+        def counted(*args: Any) -> Any:
+            calls[name] += 1
+            return fn(*args)
+        return counted
+
+    monkeypatch.setattr(TritonGemv, "packed_gemv", staticmethod(count("gemv", gemv_calls)))
+    monkeypatch.setattr(TritonGemv, "gated_gemv", staticmethod(count("gated", gated_calls)))
+    prompts, max_tokens = PROMPTS[:3], [6, 9, 4]
+    assert run(llm, prompts, max_tokens) == expected(model_dir, prompts, max_tokens)
+    assert calls["gemv"] > 0 and calls["gated"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent device)")

@@ -93,6 +93,16 @@ class LinearBase(nn.Module):
         y = self.method.apply(self, x)
         return y if self.tp_reduce is None else self.tp_reduce.all_reduce(y)
 
+    def gated_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up times this layer's weight, gate and up the halves of `gate_up` [T, 2 * input_size],
+        in one kernel: the decode GEMV's gated form where it takes these rows (`gemv_ops.gated_gemv`), else
+        None (the caller runs the activation and then the layer)."""
+        gated = getattr(self.gemv_ops, "gated_gemv", None)
+        if gated is None or gate_up.dim() != 2 or gate_up.shape[0] > self.gemv_max_rows:
+            return None
+        y: torch.Tensor = gated(gate_up, self.weight, self.bias)
+        return y if self.tp_reduce is None else self.tp_reduce.all_reduce(y)
+
     def shard_range(self, shard_id: ShardId, dim_size: int | None = None) -> tuple[int, int]:
         """Rows [start, end) of shard `shard_id` in a dimension of `output_size` (or `dim_size`, for
         quantized tensors whose rows are scaled, e.g. packed int4: dim_size = output_size // 8)."""
@@ -312,12 +322,12 @@ class UnquantizedLinearMethod:
         layer.gemv_max_rows = int(ops.packed_gemv_max_rows(layer.input_size))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        if not layer.packed:
-            return F.linear(x, layer.weight, layer.bias)
         if layer.gemv_ops is not None and x.numel() <= layer.gemv_max_rows * layer.input_size:
             rows = x.reshape(-1, layer.input_size).contiguous()
             y: torch.Tensor = layer.gemv_ops.packed_gemv(rows, layer.weight, layer.bias)
             return y.view(*x.shape[:-1], layer.output_size)
+        if not layer.packed:
+            return F.linear(x, layer.weight, layer.bias)
         return onednn_linear(x, layer.weight, layer.bias)
 
     @staticmethod
@@ -327,6 +337,20 @@ class UnquantizedLinearMethod:
         if layer.gemv_ops is None or not _is_ab16b64a2b(layer.weight, layer.output_size, layer.input_size):
             return 0
         return int(torch.ops.mkldnn.data_ptr(layer.weight))
+
+
+def use_triton_gemv(model: nn.Module, ops: Any) -> int:
+    """Give every unquantized linear layer whose weight is a plain row-major matrix (not oneDNN-packed: on a
+    GPU, every one) the decode GEMV of `ops` (kernels/triton/gemv.py's TritonGemv) for batches up to its row
+    limit; None takes it away again. Returns how many layers changed."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and isinstance(m.method, UnquantizedLinearMethod)
+              and not m.packed and m.weight.dim() == 2 and m.weight.is_contiguous()]
+    for m in layers:
+        if ops is None:
+            m.gemv_ops, m.gemv_max_rows = None, 0
+        else:
+            UnquantizedLinearMethod.enable_gemv(m, ops)
+    return len(layers)
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any = None,

@@ -69,6 +69,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated (in place on the fused path)."""
         if self.ops is not None and q.dtype == torch.bfloat16 and self.rot_dim == q.shape[-1]:
+            if (both := getattr(self.ops, "rotary_qk_", None)) is not None:  # (the Triton ops: one launch)
+                both(q, k, positions, self.cos_cache, self.sin_cache)
+                return q, k
             self.ops.rotary_(q, positions, self.cos_cache, self.sin_cache)
             self.ops.rotary_(k, positions, self.cos_cache, self.sin_cache)
             return q, k

@@ -21,7 +21,7 @@ from tokenmill.distributed import PipelineParallel, TensorParallel, init_paralle
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kv_cache_spec import KVCacheConfig, KVCacheSpec, kv_storage_dtype
 from tokenmill.layers import use_cpu_kernels
-from tokenmill.layers.linear import LinearMethod, UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearMethod, UnquantizedLinearMethod, use_triton_gemv
 from tokenmill.layers.quantization import QuantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.spec_decode.adaptive import SpecDecoder
@@ -72,10 +72,12 @@ class Worker:
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
                                      self._linear_method(), self.tp, self.pp)
         use_cpu_kernels(self.model, self.ops)
-        if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers
+        if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers, the GEMV
             from tokenmill.kernels.triton.elementwise import TritonOps
+            from tokenmill.kernels.triton.gemv import TritonGemv
 
             use_cpu_kernels(self.model, TritonOps())
+            use_triton_gemv(self.model, TritonGemv())
         self.backend = get_backend(cfg.attention_backend)
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, cfg.model.dtype)
         check_kv_cache_dtype(self.backend, self.kv_dtype)

@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tokenmill.kernels.triton import elementwise as ew
+from tokenmill.kernels.triton import gemv as gv
 from tokenmill.kernels.triton import paged_attention as pa
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -58,7 +59,13 @@ def main() -> int:
         compile_one("rotary", ew._rotary_kernel, dict(x_ptr=bf, pos_ptr="*i64", cos_ptr=bf, sin_ptr=bf),
                     dict(HEADS=32, HALF=32, BLOCK_H=32, BLOCK_HALF=32)),
         compile_one("silu_and_mul", ew._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(INTER=5632, BLOCK=1024)),
+        compile_one("rotary_qk", ew._rotary_qk_kernel, dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_ptr=bf, sin_ptr=bf),
+                    dict(Q_HEADS=32, K_HEADS=4, HALF=32, BLOCK_QH=32, BLOCK_KH=4, BLOCK_HALF=32)),
     ]
+    gemv_types = dict(x_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf)
+    ok += [compile_one(f"gemv rows={rows}{' gated' if gated else ''}", gv._gemv_kernel, gemv_types,
+                       dict(ROWS=rows, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=not gated, GATED=gated))
+           for rows, gated in [(1, False), (8, False), (1, True)]]
     return 0 if all(ok) else 1
 
 
