@@ -5,8 +5,9 @@
 
 Each timing is a CUDA graph of calls that cycle over enough copies of the weight (`--flush-mib` or more together)
 that no call finds its weight in L2, replayed several times; the median replay over its calls gives us per
-call and `GBps` the weight bytes read per second. `--sweep` also times every (BLOCK_N, BLOCK_K, num_warps) of a
-small grid at each shape and row count. Prints one JSON line per timing (`bench`: "gemv")."""
+call and `GBps` the weight bytes read per second. `--sweep` also times every (BLOCK_N, BLOCK_K, num_warps) of
+a small grid at each shape and row count (SWEEP_ONE_ROW, SWEEP_ROWS). Prints one JSON line per timing
+(`bench`: "gemv")."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.triton.gemv import gemv, gemv_config
 
-SWEEP = list(product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8)))  # (BLOCK_N, BLOCK_K, num_warps)
+# (BLOCK_N, BLOCK_K, num_warps) that --sweep times: at one row, and at several
+SWEEP_ONE_ROW = list(product((1, 2, 4), (512, 1024, 2048), (2, 4, 8)))
+SWEEP_ROWS = list(product((1, 2, 4), (256, 512, 1024), (4,)))
 
 
 def time_calls(calls: list[Callable[[], object]], reps: int = 5) -> float:
@@ -55,19 +58,19 @@ def time_calls(calls: list[Callable[[], object]], reps: int = 5) -> float:
 
 def bench_shape(weights: list[torch.Tensor], rows: int, gated: bool,
                 sweep: bool) -> Iterator[tuple[str, tuple[int, int, int] | None, float]]:
-    """(kernel, config, us per call) of cuBLAS, the GEMV at its default config (and gated, for a down
-    projection), and with `sweep` every other config of SWEEP, for `rows` rows over these weights."""
+    """(kernel, config, us per call) of cuBLAS, and of the GEMV (and its gated form, for a down projection)
+    at its default config and with `sweep` at every other of SWEEP_ONE_ROW or SWEEP_ROWS, for `rows` rows."""
     n, k = weights[0].shape
     x = torch.randn(rows, 2 * k if gated else k, device=weights[0].device, dtype=weights[0].dtype)
     xs = x[:, :k].contiguous()
     yield "cublas", None, time_calls([functools.partial(F.linear, xs, w) for w in weights])
     default = gemv_config(rows, n, k)
-    yield "triton", default, time_calls([functools.partial(gemv, xs, w) for w in weights])
-    if gated:
-        yield "triton-gated", default, time_calls([functools.partial(gemv, x, w, gated=True) for w in weights])
-    for config in SWEEP if sweep else []:
-        if config != default:
-            yield "triton", config, time_calls([functools.partial(gemv, xs, w, config=config) for w in weights])
+    configs = [default] + [c for c in (SWEEP_ONE_ROW if rows == 1 else SWEEP_ROWS) if sweep and c != default]
+    for config in configs:
+        yield "triton", config, time_calls([functools.partial(gemv, xs, w, config=config) for w in weights])
+        if gated:
+            yield "triton-gated", config, time_calls([functools.partial(gemv, x, w, gated=True, config=config)
+                                                      for w in weights])
 
 
 def main(argv: list[str]) -> int:

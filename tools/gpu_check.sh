@@ -26,7 +26,7 @@
 #   step_split_*           per decode step, GPU-kernel time vs idle gaps (torch profiler): before and after
 #   launch_ahead_ab        decode step time at batch 1/8/64/256, launch-ahead off and on (no profiler)
 #   gemv_ab                decode step time at batch 1 and 8, the Triton GEMV off (cuBLAS) and on (no profiler)
-#   gemv_bench             tools/gemv_bench.py: the GEMV vs cuBLAS per projection shape, rows 1-8; a config sweep
+#   gemv_bench             tools/gemv_bench.py --sweep (or GPU_CHECK_GEMV_BENCH): the GEMV vs cuBLAS per shape, rows 1-8
 #   kernels_b1             the GPU kernels of a batch-1 decode step by their time (kernels_b1.txt)
 #   kernels                the Triton kernels' tests on the GPU (junit_kernels.xml)
 set -u
@@ -99,13 +99,12 @@ BENCH=(--model "$MODEL" --bandwidth "$COPY" --flops "$FLOPS" --device cuda --dty
 step latency_b1_triton 45 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 256 \
     --runs 3 $(result latency_b1_triton)
 # the decode GEMV (kernels/triton/gemv.py): batch-1 and batch-8 decode with it off (cuBLAS) and on, back to
-# back; the GEMV against cuBLAS per projection shape of the 1.1B model (rows 1 to 8), and a sweep of its tile
-# configurations at one row; the GPU kernels of a batch-1 step by their time (kernels_b1.txt)
-step gemv_ab 100 sh -c "for b in 1 8; do for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gemv \$g \
+# back (GPU_CHECK_AB_BATCHES); the GEMV against cuBLAS per projection shape of the 1.1B model (rows 1 to 8)
+# with a sweep of its tile configurations; the GPU kernels of a batch-1 step by their time (kernels_b1.txt)
+step gemv_ab 100 sh -c "for b in ${GPU_CHECK_AB_BATCHES:-1 8}; do for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gemv \$g \
     --batch \$b --steps 256 --max-num-seqs 8 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; \
     done; done"
-step gemv_bench 90 sh -c "'$PY' tools/gemv_bench.py >> '$RESULTS' && '$PY' tools/gemv_bench.py --rows 1 --sweep \
-    | grep -v '\"cublas\"' >> '$RESULTS'"
+step gemv_bench 120 sh -c "'$PY' tools/gemv_bench.py ${GPU_CHECK_GEMV_BENCH:---sweep} >> '$RESULTS'"
 step kernels_b1 40 "$PY" tools/gpu_bench.py profile --batch 1 --steps 64 --max-num-seqs 8 --dtype bfloat16 \
     --kv-cache-memory 16GiB --table "$OUT/kernels_b1.txt" --table-sort self_device_time_total "$MODEL"
 step throughput_256 60 "${TM[@]}" bench throughput "${BENCH[@]}" --num-prompts 256 --input-len 32:512 \

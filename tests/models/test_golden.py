@@ -106,13 +106,14 @@ def test_triton_backend(model_dirs: dict[str, str]) -> None:
 
 
 def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # the GPU's decode path on the CPU: the Triton GEMV in every linear layer (decode batches of up to
-    # GEMV_MAX_ROWS rows, the lm_head's included) and in the MLP's gated down projection, under the interpreter;
-    # float32 weights stay unpacked so that the GEMV takes them (on a CPU without oneDNN bf16 they are packed)
+    # the GPU's decode path on the CPU, under the interpreter: the Triton GEMV in every linear layer (decode
+    # steps of one row, as the requests of different lengths finish; the lm_head's included) and in the MLP's
+    # gated down projection; float32 weights stay unpacked so that the GEMV takes them (on a CPU without
+    # oneDNN bf16 they are packed)
     monkeypatch.setattr(linear, "float32_packing_available", lambda: False)
     model_dir = model_dirs["llama-gqa4-untied"]  # (an untied lm_head: a linear layer of its own)
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", block_size=16,
-              max_num_seqs=4)
+              max_num_seqs=4, enforce_eager=True)  # (on a GPU: graphs replay the GEMV without these calls)
     model = llm.engine.core.executor.worker.model
     assert use_triton_gemv(model, TritonGemv()) > 0
     calls = {"gemv": 0, "gated": 0}

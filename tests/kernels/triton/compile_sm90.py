@@ -63,9 +63,10 @@ def main() -> int:
                     dict(Q_HEADS=32, K_HEADS=4, HALF=32, BLOCK_QH=32, BLOCK_KH=4, BLOCK_HALF=32)),
     ]
     gemv_types = dict(x_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf)
-    ok += [compile_one(f"gemv rows={rows}{' gated' if gated else ''}", gv._gemv_kernel, gemv_types,
-                       dict(ROWS=rows, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=not gated, GATED=gated))
-           for rows, gated in [(1, False), (8, False), (1, True)]]
+    ok += [compile_one(f"gemv rows={rows} block_n={block_n}{' gated' if gated else ''}", gv._gemv_kernel, gemv_types,
+                       dict(ROWS=rows, BLOCK_N=block_n, BLOCK_K=1024 if rows == 1 else 512, HAS_BIAS=not gated,
+                            GATED=gated))
+           for rows, block_n, gated in [(1, 2, False), (8, 2, False), (1, 1, True)]]
     return 0 if all(ok) else 1
 
 

@@ -1,7 +1,7 @@
 """The decode GEMV (kernels/triton/gemv.py) against F.linear, and its gated form against SiluAndMul then
-F.linear: one row (the 2-D accumulator) and several (the per-slice reduction), N and K not multiples of the
-blocks, with and without a bias; and a model layer that takes it. Under the interpreter on CPU (float32
-exact to rounding; bf16 within a bf16 step of the reference), on the GPU where one is present."""
+F.linear: one row and several, N and K not multiples of the blocks, with and without a bias; and a model
+layer that takes it. Under the interpreter on CPU (float32 exact to rounding; bf16 within a bf16 step of
+the reference), on the GPU where one is present."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.triton.elementwise import TritonOps
-from tokenmill.kernels.triton.gemv import GEMV_MAX_ROWS, TritonGemv, gemv
+from tokenmill.kernels.triton.gemv import ENGINE_GEMV_ROWS, GEMV_MAX_ROWS, TritonGemv, gemv
 from tokenmill.layers.linear import Linear, UnquantizedLinearMethod
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,8 +64,9 @@ def test_gemv_refuses_what_it_does_not_take() -> None:
 
 
 def test_linear_layer_takes_the_gemv_up_to_its_rows() -> None:
-    """A layer given the GEMV runs it for decode-sized inputs and F.linear past GEMV_MAX_ROWS, with the
-    same products either way; its gated form is None past the limit (the MLP then runs them apart)."""
+    """A layer given the GEMV runs it for inputs of up to its row limit (ENGINE_GEMV_ROWS: decode at batch 1)
+    and F.linear past it, with the same products either way; its gated form is None past the limit (the MLP
+    then runs them apart)."""
     torch.manual_seed(6)
     layer = Linear(64, 24, True, torch.float32, UnquantizedLinearMethod(pack=False)).to(DEVICE)
     with torch.no_grad():
@@ -81,12 +82,13 @@ def test_linear_layer_takes_the_gemv_up_to_its_rows() -> None:
             return gemv(rows, weight, bias)
 
     UnquantizedLinearMethod.enable_gemv(layer, Counting())
-    for shape in [(1, 64), (2, 3, 64), (GEMV_MAX_ROWS + 1, 64)]:
+    assert layer.gemv_max_rows == ENGINE_GEMV_ROWS
+    for shape in [(1, 64), (1, ENGINE_GEMV_ROWS, 64), (ENGINE_GEMV_ROWS + 1, 64)]:
         x = torch.randn(*shape, device=DEVICE)
         close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [1, 6]
-    assert layer.gated_forward(torch.randn(GEMV_MAX_ROWS + 1, 128, device=DEVICE)) is None
-    gate_up = torch.randn(2, 128, device=DEVICE)
+    assert calls == [1, ENGINE_GEMV_ROWS]
+    assert layer.gated_forward(torch.randn(ENGINE_GEMV_ROWS + 1, 128, device=DEVICE)) is None
+    gate_up = torch.randn(1, 128, device=DEVICE)
     fused = layer.gated_forward(gate_up)
     assert fused is not None
     close(fused, F.linear(TritonOps.silu_and_mul(gate_up), layer.weight, layer.bias))

@@ -4,8 +4,8 @@ GEMV_MAX_ROWS, W row-major as the checkpoint holds it.
 At batch 1 a decode step's time is the time to read the weights once, and cuBLAS's split-K GEMV tiles for
 these shapes read them at well under the device's bandwidth (bench/README.md, "The GPU path's check"). Each
 program here owns BLOCK_N output features and streams their rows over K in BLOCK_K slices, accumulating in
-float32 and reducing once at the end (one row) or per slice (several rows); nothing is split over K, so there
-is no second reduce kernel. `gated`: x is a fused gate/up projection's output [M, 2K] and the kernel multiplies
+float32 elementwise and reducing over K once at the end; nothing is split over K, so there is no second reduce
+kernel. `gated`: x is a fused gate/up projection's output [M, 2K] and the kernel multiplies
 silu(gate) * up, rounded as `SiluAndMul`'s fused op rounds it, so the MLP's down projection needs no separate
 activation kernel."""
 
@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_ROWS = 8  # decode batches up to this many rows take the GEMV; larger ones cuBLAS's GEMM
+GEMV_MAX_ROWS = 8  # the most rows `gemv` takes
+ENGINE_GEMV_ROWS = 1  # the layers take it for one row (a batch-1 decode step); cuBLAS beyond (bench/README.md)
 
 
 @triton.jit
@@ -26,10 +27,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     m = tl.arange(0, ROWS)
     m_mask = m < M
     dtype = x_ptr.dtype.element_ty
+    # products summed over K once, at the end; one row keeps a 2-D accumulator (the 3-D one, [1, BLOCK_N,
+    # BLOCK_K], was the slower on an H200: bench/README.md)
     if ROWS == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
@@ -46,23 +49,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         if ROWS == 1:
             acc2 += w * x
         else:
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            acc += x[:, None, :] * w[None, :, :]
     if ROWS == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]
+        y = tl.sum(acc2, axis=1)[None, :]
+    else:
+        y = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
 def gemv_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for these shapes: enough programs to keep every SM streaming (a few
-    hundred at least), each reading BLOCK_N rows in slices of BLOCK_K."""
-    block_k = min(512 if rows == 1 else 256, triton.next_power_of_2(k))
-    block_n = 4 if n <= 4096 else 8
-    if rows > 2:
-        block_n = min(block_n, 4)
-    return block_n, block_k, 4
+    """(BLOCK_N, BLOCK_K, num_warps) for these shapes: at one row, the tiles tools/gemv_bench.py --sweep found
+    the fastest over a 1.1B Llama's projections on an H200 (bench/README.md); many small programs keep every
+    SM streaming."""
+    return 2, min(1024 if rows == 1 else 512, triton.next_power_of_2(k)), 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
@@ -102,4 +104,4 @@ class TritonGemv:
 
     @staticmethod
     def packed_gemv_max_rows(input_size: int) -> int:
-        return GEMV_MAX_ROWS
+        return ENGINE_GEMV_ROWS
