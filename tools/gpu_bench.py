@@ -2,7 +2,8 @@
 
     python3 tools/gpu_bench.py hf MODEL --batch-sizes 64,256 [--num-prompts 256 --input-len 32:512 --output-len 32:256]
     python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE --launch-ahead off
-                                             --gemv off --no-profiler] [engine args: --attention-backend cuda ...]
+                                             --gemv off --gated off --no-profiler]
+                                             [engine args: --attention-backend cuda ...]
 
 `hf`: transformers `generate` on the GPU over `tokenmill bench throughput`'s random workload (same seed, same
 prompts and max_tokens): static batches in workload order, left-padded, greedy, EOS ignored, each batch run to
@@ -88,7 +89,11 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     if args.gemv == "off":  # cuBLAS for decode batches too (the A/B of kernels/triton/gemv.py), before capture
         import tokenmill.worker.worker as worker_module
 
-        worker_module.use_triton_gemv = lambda model, ops: 0  # type: ignore[assignment]
+        worker_module.use_triton_gemv = lambda model, ops: 0
+    if args.gated == "off":  # the down projection after a separate SiLU-and-mul kernel (LinearBase.gated_forward)
+        from tokenmill.kernels.triton.gemv import TritonGemv
+
+        TritonGemv.gated_gemv = None
     llm = LLM(model=args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
     runner = llm.engine.core.executor.worker.model_runner
     if args.launch_ahead == "off":  # the worker thread runs every step (the A/B of ModelRunner.launch)
@@ -111,6 +116,7 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     common = {"model": args.model, "attention_backend": config.attention_backend,
               "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
               "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0, "gemv": args.gemv,
+              "gated": args.gated,
               "batch": args.batch, "steps": steps, "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
               "device": device_name()}
     if prof is None:
@@ -156,6 +162,8 @@ def main(argv: list[str]) -> int:
                     help="the table's order: self_cpu_time_total, or self_device_time_total for the GPU's kernels")
     pr.add_argument("--gemv", choices=("on", "off"), default="on",
                     help="off: decode batches through cuBLAS, not the Triton GEMV (triton backend), for an A/B")
+    pr.add_argument("--gated", choices=("on", "off"), default="on",
+                    help="off: SiLU-and-mul as its own kernel before the down projection's GEMV, for an A/B")
     EngineArgs.add_cli_args(pr)
     pr.add_argument("model")
     args = p.parse_args(argv)

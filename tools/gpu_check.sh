@@ -26,6 +26,7 @@
 #   step_split_*           per decode step, GPU-kernel time vs idle gaps (torch profiler): before and after
 #   launch_ahead_ab        decode step time at batch 1/8/64/256, launch-ahead off and on (no profiler)
 #   gemv_ab                decode step time at batch 1 and 8, the Triton GEMV off (cuBLAS) and on (no profiler)
+#   gated_ab               batch-1 decode step time, SiLU-and-mul in the down projection's GEMV off and on
 #   gemv_bench             tools/gemv_bench.py --sweep (or GPU_CHECK_GEMV_BENCH): the GEMV vs cuBLAS per shape, rows 1-8
 #   kernels_b1             the GPU kernels of a batch-1 decode step by their time (kernels_b1.txt)
 #   kernels                the Triton kernels' tests on the GPU (junit_kernels.xml)
@@ -104,9 +105,11 @@ step latency_b1_triton 45 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 
 step gemv_ab 100 sh -c "for b in ${GPU_CHECK_AB_BATCHES:-1 8}; do for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gemv \$g \
     --batch \$b --steps 256 --max-num-seqs 8 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; \
     done; done"
+step gated_ab 60 sh -c "for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gated \$g --batch 1 \
+    --steps 256 --max-num-seqs 8 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; done"
 step gemv_bench 120 sh -c "'$PY' tools/gemv_bench.py ${GPU_CHECK_GEMV_BENCH:---sweep} >> '$RESULTS'"
-step kernels_b1 40 "$PY" tools/gpu_bench.py profile --batch 1 --steps 64 --max-num-seqs 8 --dtype bfloat16 \
-    --kv-cache-memory 16GiB --table "$OUT/kernels_b1.txt" --table-sort self_device_time_total "$MODEL"
+step kernels_b1 40 sh -c "'$PY' tools/gpu_bench.py profile --batch 1 --steps 64 --max-num-seqs 8 --dtype bfloat16 \
+    --kv-cache-memory 16GiB --table '$OUT/kernels_b1.txt' --table-sort self_device_time_total '$MODEL' >> '$RESULTS'"
 step throughput_256 60 "${TM[@]}" bench throughput "${BENCH[@]}" --num-prompts 256 --input-len 32:512 \
     --output-len 32:256 --runs 2 $(result throughput_256)
 step hf_256 80 sh -c "'$PY' tools/gpu_bench.py hf '$MODEL' --batch-sizes 256,64 >> '$RESULTS'"

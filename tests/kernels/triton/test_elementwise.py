@@ -39,7 +39,8 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_strided_rows(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("one_launch", [False, True], ids=["rotary_", "rotary_qk_"])
+def test_rotary_in_place_on_strided_rows(dtype: torch.dtype, one_launch: bool) -> None:
     torch.manual_seed(1)
     with torch.device(DEVICE):
         rope = RotaryEmbedding(32, 64, RopeConfig(theta=10000.0), dtype)
@@ -47,10 +48,15 @@ def test_rotary_in_place_on_strided_rows(dtype: torch.dtype) -> None:
     q, k = qkv[:, :6], qkv[:, 6:8]
     positions = torch.tensor([0, 3, 17, 5, 63, 40], device=DEVICE)
     want_q, want_k = rope(positions, q.clone(), k.clone())
-    TritonOps.rotary_(q, positions, rope.cos_cache, rope.sin_cache)
-    TritonOps.rotary_(k, positions, rope.cos_cache, rope.sin_cache)
+    v_before = qkv[:, 8:].clone()
+    if one_launch:
+        TritonOps.rotary_qk_(q, k, positions, rope.cos_cache, rope.sin_cache)
+    else:
+        TritonOps.rotary_(q, positions, rope.cos_cache, rope.sin_cache)
+        TritonOps.rotary_(k, positions, rope.cos_cache, rope.sin_cache)
     close(q, want_q)
     close(k, want_k)
+    assert torch.equal(qkv[:, 8:], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,18 +65,3 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (torch.randn(4, 2 * 200, device=DEVICE) * 3).to(dtype)
     close(TritonOps.silu_and_mul(x), SiluAndMul()(x))
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_of_q_and_k_in_one_launch(dtype: torch.dtype) -> None:
-    torch.manual_seed(3)
-    with torch.device(DEVICE):
-        rope = RotaryEmbedding(32, 64, RopeConfig(theta=10000.0), dtype)
-    qkv = torch.randn(5, 8 + 2 * 2, 32, device=DEVICE).to(dtype)  # q (8 heads), k, v (2 each) of one tensor
-    q, k = qkv[:, :8], qkv[:, 8:10]
-    positions = torch.tensor([0, 3, 17, 63, 40], device=DEVICE)
-    want_q, want_k = rope(positions, q.clone(), k.clone())
-    v_before = qkv[:, 10:].clone()
-    TritonOps.rotary_qk_(q, k, positions, rope.cos_cache, rope.sin_cache)
-    close(q, want_q)
-    close(k, want_k)
-    assert torch.equal(qkv[:, 10:], v_before)  # v untouched
