@@ -23,11 +23,13 @@ from itertools import product
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.triton.gemv import gemv, gemv_config
+from tokenmill.kernels.triton.gemv import gemv, gemv_config, gemv_dot
 
 # (BLOCK_N, BLOCK_K, num_warps) that --sweep times: at one row, and at several
 SWEEP_ONE_ROW = list(product((1, 2, 4), (512, 1024, 2048), (2, 4, 8)))
 SWEEP_ROWS = list(product((1, 2, 4), (256, 512, 1024), (4,)))
+DOT_DEFAULT = (32, 256, 4)  # gemv_dot's, at 2 rows or more
+SWEEP_DOT = list(product((16, 32, 64), (128, 256, 512), (4,)))
 
 
 def time_calls(calls: list[Callable[[], object]], reps: int = 5) -> float:
@@ -59,7 +61,8 @@ def time_calls(calls: list[Callable[[], object]], reps: int = 5) -> float:
 def bench_shape(weights: list[torch.Tensor], rows: int, gated: bool,
                 sweep: bool) -> Iterator[tuple[str, tuple[int, int, int] | None, float]]:
     """(kernel, config, us per call) of cuBLAS, and of the GEMV (and its gated form, for a down projection)
-    at its default config and with `sweep` at every other of SWEEP_ONE_ROW or SWEEP_ROWS, for `rows` rows."""
+    at its default config and with `sweep` at every other of SWEEP_ONE_ROW or SWEEP_ROWS, for `rows` rows; at
+    two rows or more also `gemv_dot` (tile products) at DOT_DEFAULT and with `sweep` SWEEP_DOT."""
     n, k = weights[0].shape
     x = torch.randn(rows, 2 * k if gated else k, device=weights[0].device, dtype=weights[0].dtype)
     xs = x[:, :k].contiguous()
@@ -71,6 +74,9 @@ def bench_shape(weights: list[torch.Tensor], rows: int, gated: bool,
         if gated:
             yield "triton-gated", config, time_calls([functools.partial(gemv, x, w, gated=True, config=config)
                                                       for w in weights])
+    dot_configs = [] if rows == 1 else [DOT_DEFAULT] + [c for c in SWEEP_DOT if sweep and c != DOT_DEFAULT]
+    for config in dot_configs:
+        yield "triton-dot", config, time_calls([functools.partial(gemv_dot, xs, w, config=config) for w in weights])
 
 
 def main(argv: list[str]) -> int:

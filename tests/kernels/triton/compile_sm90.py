@@ -67,6 +67,10 @@ def main() -> int:
                        dict(ROWS=rows, BLOCK_N=block_n, BLOCK_K=1024 if rows == 1 else 512, HAS_BIAS=not gated,
                             GATED=gated))
            for rows, block_n, gated in [(1, 2, False), (8, 2, False), (1, 1, True)]]
+    ok += [compile_one(f"gemv_dot {dt}", gv._gemv_dot_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt,
+                                                                   y_ptr="*" + dt),
+                       dict(BLOCK_N=32, BLOCK_K=256, HAS_BIAS=True, GATED=True, DOT_F32=dt == "fp32"))
+           for dt in ("bf16", "fp32")]
     return 0 if all(ok) else 1
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.triton.elementwise import TritonOps
-from tokenmill.kernels.triton.gemv import ENGINE_GEMV_ROWS, GEMV_MAX_ROWS, TritonGemv, gemv
+from tokenmill.kernels.triton.gemv import ENGINE_GEMV_ROWS, GEMV_DOT_MAX_ROWS, GEMV_MAX_ROWS, TritonGemv, gemv, gemv_dot
 from tokenmill.layers.linear import Linear, UnquantizedLinearMethod
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,6 +52,23 @@ def test_gated_gemv_matches_silu_and_mul_then_linear(dtype: torch.dtype, rows: i
     w = (torch.randn(hidden, inter, device=DEVICE) / inter**0.5).to(dtype)
     act = TritonOps.silu_and_mul(gate_up)  # the fused op whose rounding the gated GEMV repeats
     close(TritonGemv.gated_gemv(gate_up, w, None), F.linear(act.float(), w.float()).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, GEMV_DOT_MAX_ROWS])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemv_dot_matches_linear(dtype: torch.dtype, rows: int, gated: bool) -> None:
+    torch.manual_seed(7 + rows)
+    n, k = 45, 300  # neither a multiple of BLOCK_N (16) nor of BLOCK_K (128)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype)
+    x = (torch.randn(rows, 2 * k if gated else k, device=DEVICE) * 2).to(dtype)
+    act = TritonOps.silu_and_mul(x) if gated else x
+    got = gemv_dot(x, w, b, gated=gated, config=(16, 128, 4))
+    assert got.shape == (rows, n) and got.dtype == dtype
+    close(got, F.linear(act.float(), w.float(), b.float()).to(dtype))
+    with pytest.raises(ValueError, match="rows"):
+        gemv_dot(torch.randn(GEMV_DOT_MAX_ROWS + 1, k, device=DEVICE), w.float())
 
 
 def test_gemv_refuses_what_it_does_not_take() -> None:
