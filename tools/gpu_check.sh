@@ -25,7 +25,7 @@
 #   latency_b1_sdpa_eager  batch-1 decode before: SDPA backend, eager
 #   step_split_*           per decode step, GPU-kernel time vs idle gaps (torch profiler): before and after
 #   launch_ahead_ab        decode step time at batch 1/8/64/256, launch-ahead off and on (no profiler)
-#   gemv_ab                decode step time at batch 1 and 8, the Triton GEMV off (cuBLAS) and on (no profiler)
+#   gemv_ab                decode step time at batch 1, the Triton GEMV off (cuBLAS) and on (no profiler)
 #   gated_ab               batch-1 decode step time, SiLU-and-mul in the down projection's GEMV off and on
 #   gemv_bench             tools/gemv_bench.py --sweep (or GPU_CHECK_GEMV_BENCH): the GEMV vs cuBLAS per shape, rows 1-8
 #   kernels_b1             the GPU kernels of a batch-1 decode step by their time (kernels_b1.txt)
@@ -99,10 +99,10 @@ BENCH=(--model "$MODEL" --bandwidth "$COPY" --flops "$FLOPS" --device cuda --dty
 
 step latency_b1_triton 45 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 256 \
     --runs 3 $(result latency_b1_triton)
-# the decode GEMV (kernels/triton/gemv.py): batch-1 and batch-8 decode with it off (cuBLAS) and on, back to
-# back (GPU_CHECK_AB_BATCHES); the GEMV against cuBLAS per projection shape of the 1.1B model (rows 1 to 8)
+# the decode GEMV (kernels/triton/gemv.py): batch-1 decode with it off (cuBLAS) and on, back to back
+# (GPU_CHECK_AB_BATCHES: other batch sizes too); the GEMV against cuBLAS per projection shape of the 1.1B model (rows 1 to 8)
 # with a sweep of its tile configurations; the GPU kernels of a batch-1 step by their time (kernels_b1.txt)
-step gemv_ab 100 sh -c "for b in ${GPU_CHECK_AB_BATCHES:-1 8}; do for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gemv \$g \
+step gemv_ab 100 sh -c "for b in ${GPU_CHECK_AB_BATCHES:-1}; do for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gemv \$g \
     --batch \$b --steps 256 --max-num-seqs 8 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; \
     done; done"
 step gated_ab 60 sh -c "for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gated \$g --batch 1 \

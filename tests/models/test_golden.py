@@ -115,7 +115,7 @@ def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", block_size=16,
               max_num_seqs=4, enforce_eager=True)  # (on a GPU: graphs replay the GEMV without these calls)
     model = llm.engine.core.executor.worker.model
-    assert use_triton_gemv(model, TritonGemv()) > 0
+    assert use_triton_gemv(model, TritonGemv()) > 0 and model.lm_head.gemv_ops is not None
     calls = {"gemv": 0, "gated": 0}
     gemv_calls, gated_calls = TritonGemv.packed_gemv, TritonGemv.gated_gemv
 

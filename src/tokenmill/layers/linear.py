@@ -5,7 +5,9 @@ shard id for the fused qkv and gate/up projections); the method decides what the
 how they multiply. `UnquantizedLinearMethod` is the plain float path: on a bf16 CPU it packs each
 weight once for oneDNN after loading (plain `F.linear` on bf16 CPU tensors re-lays-out the weight on
 every call), and where tokenmill's C++ kernels are built it multiplies decode-sized batches with their
-GEMV over the same packed weight (kernels/: `packed_gemv`). Quantized methods (int8/int4, GPTQ, AWQ)
+GEMV over the same packed weight (kernels/: `packed_gemv`). On a GPU the same slot
+(`LinearBase.gemv_ops`) holds the Triton GEMV for one-row batches, over the plain weight
+(`use_triton_gemv`). Quantized methods (int8/int4, GPTQ, AWQ)
 create parameters of other shapes and dtypes (packed ints, scales, zeros) with their own loaders.
 """
 
@@ -83,7 +85,8 @@ class LinearBase(nn.Module):
         self.method = method
         self.weight: nn.Parameter
         self.bias: nn.Parameter | None = None
-        # the unquantized method's packed path: whether `weight` is oneDNN-packed, the GEMV's ops and rows
+        # the unquantized method's fast paths: whether `weight` is oneDNN-packed; the decode GEMV's ops (the C++
+        # one over a packed weight, or on a GPU the Triton one over the plain weight) and the most rows it takes
         self.packed = False
         self.gemv_ops: Any = None
         self.gemv_max_rows = 0
@@ -100,7 +103,7 @@ class LinearBase(nn.Module):
         gated = getattr(self.gemv_ops, "gated_gemv", None)
         if gated is None or gate_up.dim() != 2 or gate_up.shape[0] > self.gemv_max_rows:
             return None
-        y: torch.Tensor = gated(gate_up, self.weight, self.bias)
+        y: torch.Tensor = gated(gate_up.contiguous(), self.weight, self.bias)
         return y if self.tp_reduce is None else self.tp_reduce.all_reduce(y)
 
     def shard_range(self, shard_id: ShardId, dim_size: int | None = None) -> tuple[int, int]:
@@ -317,7 +320,7 @@ class UnquantizedLinearMethod:
     @staticmethod
     def enable_gemv(layer: LinearBase, ops: Any) -> None:
         """Take ops.packed_gemv for as many rows as it is the faster kernel for (up to
-        ops.packed_gemv_max_rows(input_size)), oneDNN beyond."""
+        ops.packed_gemv_max_rows(input_size)); oneDNN (packed) or F.linear beyond."""
         layer.gemv_ops = ops
         layer.gemv_max_rows = int(ops.packed_gemv_max_rows(layer.input_size))
 
@@ -364,7 +367,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any = No
     if bias is not None and layer.bias is not None:
         layer.bias.data.copy_(bias)
     use.process_weights_after_loading(layer)
-    if method is None and ops is not None:
+    if method is None and ops is not None and layer.packed:  # (the C++ GEMV reads packed weights only)
         use.enable_gemv(layer, ops)
     return layer
 

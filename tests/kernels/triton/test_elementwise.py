@@ -64,4 +64,3 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.manual_seed(2)
     x = (torch.randn(4, 2 * 200, device=DEVICE) * 3).to(dtype)
     close(TritonOps.silu_and_mul(x), SiluAndMul()(x))
-

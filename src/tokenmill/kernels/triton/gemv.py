@@ -97,8 +97,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
 
 def gemv_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for these shapes: at one row, the tiles tools/gemv_bench.py --sweep found
-    the fastest over a 1.1B Llama's projections on an H200 (bench/README.md); many small programs keep every
-    SM streaming."""
+    the fastest, or nearly, at each of a 1.1B Llama's projections on an H200 (bench/README.md); many small
+    programs keep every SM streaming."""
     return 2, min(1024 if rows == 1 else 512, triton.next_power_of_2(k)), 4
 
 
