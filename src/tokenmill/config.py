@@ -49,6 +49,9 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # the weights' (None: float)
     runner: str = "generate"  # generate | pooling (embeddings: worker/pooling_runner.py)
     pooler: PoolerConfig | None = None  # set for the pooling runner
+    # bfloat16: the linear layers keep the checkpoint's bf16 weights where the model runs in float32 because
+    # this CPU has no bf16 arithmetic (an AVX2 CPU, dtype auto); float32 products over them (bf16 widens exactly)
+    linear_weight_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,9 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, arch, device, runner)
         max_model_len = self._max_model_len(arch, runner)
+        # dense generate models only: MoE and MLA layers read some linear weights directly
+        keep_bf16 = (self.dtype == "auto" and dtype == "float32" and device == "cpu" and arch.dtype == "bfloat16"
+                     and runner == "generate" and arch.moe is None and arch.mla is None and self.cpu_kernels)
         self._check_positive()
         kv_storage_dtype(self.kv_cache_dtype, dtype)  # refuses an unknown choice
         backend = self.attention_backend
@@ -337,6 +343,7 @@ class EngineArgs:
         if backend == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend 'triton' runs on a CUDA GPU (on a CPU only under Triton's "
                              "interpreter, TRITON_INTERPRET=1, slowly, for tests); use --attention-backend cpu")
+        quantization = resolve_quantization(self.model, self.quantization)
         model = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
@@ -345,9 +352,10 @@ class EngineArgs:
             seed=self.seed,
             arch=arch,
             served_model_name=self.served_model_name or self.model,
-            quantization=resolve_quantization(self.model, self.quantization),
+            quantization=quantization,
             runner=runner,
             pooler=resolve_pooler_config(self.model, self.pooler_config) if runner == "pooling" else None,
+            linear_weight_dtype="bfloat16" if keep_bf16 and quantization is None else None,
         )
         spec = SpeculativeConfig.create(_spec_dict(self.speculative_config), model)
         parallel = resolve_parallel_config(self.tensor_parallel_size, self.distributed_executor_backend, arch,

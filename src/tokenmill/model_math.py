@@ -48,6 +48,8 @@ class ModelCost:
     dtype: str
     kv_dtype: str | None = None  # the KV cache's storage dtype (kv_cache_spec.kv_storage_dtype); None: dtype
     quantization: str | None = None  # one of QUANTIZED_FORMATS: the projections' storage
+    linear_dtype: str | None = None  # the projections' and lm_head's float storage where not dtype (bf16 weights
+    #                                  under a float32 model: config.ModelConfig.linear_weight_dtype)
 
     @property
     def elem_bytes(self) -> int:
@@ -180,9 +182,14 @@ class ModelCost:
 
     @property
     def quantization_saving(self) -> int:
-        """Bytes the quantized projections save over float ones (0 unquantized)."""
+        """Bytes the quantized projections save over float ones, or the bf16-stored projections and lm_head
+        over float32 ones (linear_dtype); 0 otherwise."""
         if self.quantization is None:
-            return 0
+            if self.linear_dtype is None:
+                return 0
+            projections = self.arch.num_layers * sum(r * c for r, c in self._projection_shapes())
+            # an untied lm_head is bf16 too; a tied one is the embedding's float32 tensor
+            return (projections + self.lm_head_params) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
         if self.quantization not in QUANTIZED_FORMATS:
             raise ValueError(f"quantization {self.quantization!r} unknown; choose from {QUANTIZED_FORMATS}")
         shapes = self._projection_shapes()

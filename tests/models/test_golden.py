@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+import tokenmill.config as config
 from tests.conftest import random_prompts
-from tests.fixtures import MODEL_SPECS, hf_greedy
+from tests.fixtures import MODEL_SPECS, build_model, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.triton.gemv import TritonGemv
 from tokenmill.layers import linear
@@ -103,6 +104,23 @@ def test_triton_backend(model_dirs: dict[str, str]) -> None:
     prompts, max_tokens = [PROMPTS[1], PROMPTS[3]], [6, 5]
     assert run(llm, prompts, max_tokens) == expected(model_dir, prompts, max_tokens)
     check_prefix_hits(llm, model_dir, 3)
+
+
+def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights kept in bf16
+    # (widened in the product: the C++ GEMV for decode rows, tiles for prefill), against transformers in float32
+    # over the same bf16 weights; forced here on any CPU
+    monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
+    model_dir = build_model("llama-gqa4-untied", str(tmp_path_factory.mktemp("bf16") / "m"), tokenizer_dir,
+                            dtype="bfloat16")
+    llm = LLM(model_dir, kv_cache_memory="8MiB", max_num_seqs=4)
+    assert llm.engine.config.model.dtype == "float32"
+    assert llm.engine.config.model.linear_weight_dtype == "bfloat16"
+    model = llm.engine.core.executor.worker.model
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    prompts, max_tokens = PROMPTS[:4], MAX_TOKENS[:4]
+    assert run(llm, prompts, max_tokens) == [hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens)]
 
 
 def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

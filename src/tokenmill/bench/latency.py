@@ -40,9 +40,8 @@ from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import run_dataset, spec_fields
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
-from tokenmill.kv_cache_spec import kv_storage_dtype
 from tokenmill.metrics.ceilings import utilization
-from tokenmill.metrics.step_cost import engine_fields
+from tokenmill.metrics.step_cost import engine_fields, model_cost
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -219,8 +218,7 @@ def run(args: argparse.Namespace) -> int:
                     measure_missing=args.roofline, device=device)
     context = args.input_len + args.output_len // 2
     quant = config.model.quantization
-    cost = ModelCost(arch, config.model.dtype, kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype),
-                     quantization=None if quant is None else quant.scheme)
+    cost = model_cost(config)
     emit({
         "engine": "tokenmill", "bench": "latency", "model": args.model, "threads": threads,
         "dtype": config.model.dtype, "device": device, "attention_backend": config.attention_backend,
@@ -236,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         **plan_fields(config, cost, context, llm.engine.core.num_blocks),
         **engine_fields(stats0.step, stats1.step, roof),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
+        "linear_weight_dtype": config.model.linear_weight_dtype,
         "loaded_weight_bytes": loaded_weight_bytes(llm),
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),
         "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,

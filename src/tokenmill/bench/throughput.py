@@ -24,9 +24,8 @@ from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import spec_fields
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
-from tokenmill.kv_cache_spec import kv_storage_dtype
 from tokenmill.metrics.ceilings import utilization
-from tokenmill.metrics.step_cost import engine_fields
+from tokenmill.metrics.step_cost import engine_fields, model_cost
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -111,9 +110,7 @@ def run(args: argparse.Namespace) -> int:
     wall, step_count = statistics.median(walls), statistics.median(steps)
     lens = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs]  # the last run's
     quant = config.model.quantization
-    cost = ModelCost(config.model.arch, config.model.dtype,
-                     kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype),
-                     quantization=None if quant is None else quant.scheme)
+    cost = model_cost(config)
     bs, blocks = config.cache.block_size, llm.engine.core.num_blocks
     seq_len = max(p + r.max_tokens for (p, _), r in zip(lens, reqs, strict=True))
     prompt_tokens, output_tokens = sum(p for p, _ in lens), sum(o for _, o in lens)
@@ -136,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_seq_len": seq_len, "kv_seqs_fit": blocks // -(-seq_len // bs),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
+        "linear_weight_dtype": config.model.linear_weight_dtype,
         "weight_bytes": cost.weight_bytes, "loaded_weight_bytes": loaded_weight_bytes(llm),
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,

@@ -268,6 +268,21 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+WIDEN_TILE_BYTES = 2 << 20  # widened_linear's float32 weight tile
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of x (float32) and a bf16 weight widened to x's dtype a tile of output features at a time, so
+    that no float32 copy of the whole weight is made."""
+    n, k = weight.shape
+    tile = max(16, WIDEN_TILE_BYTES // (4 * k))
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for n0 in range(0, n, tile):
+        n1 = min(n, n0 + tile)
+        y[:, n0:n1] = F.linear(x, weight[n0:n1].to(x.dtype), None if bias is None else bias[n0:n1].to(x.dtype))
+    return y
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight reordered once into oneDNN's packed layout (the one chosen for batch 1 runs large
     batches at full speed too)."""
@@ -280,7 +295,14 @@ class UnquantizedLinearMethod:
     bf16 path). `ops`: tokenmill's C++ CPU kernels, whose GEMV then takes as many rows as it is the faster
     kernel for, once a probe has checked that it reads this oneDNN's packed layout."""
 
-    def __init__(self, ops: Any = None, pack: bool = True) -> None:
+    def __init__(self, ops: Any = None, pack: bool = True, weight_dtype: torch.dtype | None = None,
+                 widen_ops: Any = None) -> None:
+        # weight_dtype bfloat16 under a float32 model (config.ModelConfig.linear_weight_dtype): the weights stay
+        # bf16 and widen to float32 in the product, by widen_ops.bf16w_gemv (C++, AVX2) up to its rows, else a
+        # tile at a time (widened_linear)
+        self.weight_dtype = weight_dtype
+        self.widen_ops = widen_ops
+        self.widen_max_rows = int(widen_ops.bf16w_gemv_max_rows()) if widen_ops is not None else 0
         self.pack = pack and packing_available()
         # where oneDNN has no bf16 path (an AVX2-only CPU, where dtype auto is float32), float32 weights are packed
         # too: oneDNN's packed float32 product runs there where torch's F.linear takes MKL's
@@ -291,7 +313,7 @@ class UnquantizedLinearMethod:
         self._gemv_reads: dict[tuple[int, int], bool] = {}
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype),
+        layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=self.weight_dtype or dtype),
                                     requires_grad=False)
         set_weight_loader(layer.weight, layer.weight_loader)
         if layer.has_bias:
@@ -330,8 +352,18 @@ class UnquantizedLinearMethod:
             y: torch.Tensor = layer.gemv_ops.packed_gemv(rows, layer.weight, layer.bias)
             return y.view(*x.shape[:-1], layer.output_size)
         if not layer.packed:
+            if layer.weight.dtype != x.dtype:  # bf16-stored weights under a float32 model
+                return self._widened(layer, x)
             return F.linear(x, layer.weight, layer.bias)
         return onednn_linear(x, layer.weight, layer.bias)
+
+    def _widened(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, layer.input_size)
+        if rows.shape[0] <= self.widen_max_rows:
+            y: torch.Tensor = self.widen_ops.bf16w_gemv(rows.contiguous(), layer.weight, layer.bias)
+        else:
+            y = widened_linear(rows, layer.weight, layer.bias)
+        return y.view(*x.shape[:-1], layer.output_size)
 
     @staticmethod
     def gemv_data_ptr(layer: LinearBase) -> int:

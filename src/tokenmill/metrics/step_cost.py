@@ -40,7 +40,8 @@ def model_cost(config: EngineConfig) -> ModelCost:
     quant = config.model.quantization
     return ModelCost(config.model.arch, config.model.dtype,
                      kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype),
-                     quantization=None if quant is None else quant.scheme)
+                     quantization=None if quant is None else quant.scheme,
+                     linear_dtype=config.model.linear_weight_dtype)
 
 
 def plan_figures(config: EngineConfig, ceilings: Ceilings | None) -> PlanFigures:

@@ -85,6 +85,8 @@ class Worker:
     def _linear_method(self) -> LinearMethod:
         """The checkpoint's quantized method (whose kernels take fp32 too), or the float one."""
         quant = self.config.model.quantization
+        if quant is None and self.config.model.linear_weight_dtype == "bfloat16":  # (an AVX2 CPU, float32 model)
+            return UnquantizedLinearMethod(self.ops, weight_dtype=torch.bfloat16, widen_ops=load_cpu_kernels())
         if quant is None:
             return UnquantizedLinearMethod(self.ops)
         use_quant_ops = self.device.type == "cpu" and self.config.device.cpu_kernels

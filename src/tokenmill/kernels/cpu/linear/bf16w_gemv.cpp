@@ -1,0 +1,130 @@
+// float32 rows times a bf16 weight kept as the checkpoint stores it ([N, K], row-major), for CPUs with AVX2
+// and FMA but no bf16 arithmetic (tokenmill.layers.linear's bf16-stored weights): y [M, N] = x [M, K] W^T
+// (+ bias), float32. Each bf16 weight widens exactly to float32 (a 16-bit shift), so the products are the
+// float32 model's up to summation order. At decode sizes the work is reading the weight, and this reads half
+// the bytes of a float32 copy; it takes up to kMaxRows rows, 8 at a time against each weight row.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;
+// the most rows the layers give it: past it a float32 product of widened tiles was the faster (bench/README.md)
+constexpr int64_t kLayerRows = 16;
+
+inline __m256 widen8(const uint16_t* w) {  // 8 bf16 -> 8 float32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float widen1(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// one output feature n for all M rows: the weight row read once, two accumulators a row
+template <int M>
+void row(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) {
+  __m256 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = widen8(w + k), w1 = widen8(w + k + 8);
+    for (int m = 0; m < M; ++m) {
+      a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
+      a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 8), a1[m]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w0 = widen8(w + k);
+    for (int m = 0; m < M; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = hsum(_mm256_add_ps(a0[m], a1[m]));
+    for (int64_t j = k; j < K; ++j) s += widen1(w[j]) * x[m * ldx + j];
+    out[m] = s;
+  }
+}
+
+// rows m0 .. m0 + m of x against weight row w (m <= 8)
+inline void rows_chunk(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t m, float* out) {
+  switch (m) {
+    case 1: row<1>(x, ldx, w, K, out); break;
+    case 2: row<2>(x, ldx, w, K, out); break;
+    case 3: row<3>(x, ldx, w, K, out); break;
+    case 4: row<4>(x, ldx, w, K, out); break;
+    case 5: row<5>(x, ldx, w, K, out); break;
+    case 6: row<6>(x, ldx, w, K, out); break;
+    case 7: row<7>(x, ldx, w, K, out); break;
+    default: row<8>(x, ldx, w, K, out); break;
+  }
+}
+
+at::Tensor bf16w_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "bf16w_gemv: x must be float32 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1), "bf16w_gemv: weight must be contiguous bf16 [N, K]");
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(M <= kMaxRows, "bf16w_gemv: at most ", kMaxRows, " rows, got ", M);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bf16w_gemv: bias must have N elements");
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  if (M == 0) return y;
+  // each weight row is read from memory once; over 8 rows of x, the chunks after the first find it in L1
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float out[8];
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t m = std::min<int64_t>(8, M - m0);
+        rows_chunk(xp + m0 * ldx, ldx, wp + n * K, K, m, out);
+        for (int64_t i = 0; i < m; ++i) yp[(m0 + i) * N + n] = out[i] + (bp ? bp[n] : 0.0f);
+      }
+    }
+  });
+  return y;
+}
+
+int64_t bf16w_gemv_max_rows() { return kLayerRows; }
+
+}  // namespace
+
+#else  // no AVX2/FMA: the layers keep their torch path (bf16w_gemv_max_rows() == 0)
+
+namespace {
+int64_t bf16w_gemv_max_rows() { return 0; }
+at::Tensor bf16w_gemv(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "bf16w_gemv: built without AVX2/FMA");
+}
+}  // namespace
+
+#endif
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("bf16w_gemv_max_rows() -> int", &bf16w_gemv_max_rows);
+  m.def("bf16w_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("bf16w_gemv", &bf16w_gemv); }

@@ -1,0 +1,100 @@
+"""bf16 weights kept as the checkpoint stores them under a float32 model (a CPU without bf16 arithmetic,
+dtype auto): the C++ GEMV that widens them (bf16w_gemv, AVX2) and the tiled product past its rows equal F.linear
+over the widened weight to float32 rounding, in a layer too; the engine config chooses that storage only for a
+bf16 checkpoint that dtype auto runs in float32 on such a CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tokenmill.config as config
+import tokenmill.layers.linear as linear
+from tests.fixtures import build_model
+from tokenmill.bench.model_math import ModelCost
+from tokenmill.config import EngineArgs
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers.linear import Linear, UnquantizedLinearMethod, widened_linear
+from tokenmill.metrics.step_cost import model_cost
+from tokenmill.worker.worker import Worker
+
+DEMO = str(Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo")  # a bf16 checkpoint
+OPS = load_cpu_kernels()
+HAS_GEMV = OPS is not None and int(OPS.bf16w_gemv_max_rows()) > 0
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not HAS_GEMV, reason="the C++ kernels with AVX2/FMA are not built here")
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 13, 64])
+@pytest.mark.parametrize("k", [7, 64, 300])
+def test_bf16w_gemv_matches_linear_over_the_widened_weight(rows: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    w = torch.randn(37, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(37, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    close(OPS.bf16w_gemv(x, w, b), F.linear(x, w.float(), b))
+    close(OPS.bf16w_gemv(x, w, None), F.linear(x, w.float()))
+    with pytest.raises(RuntimeError, match="rows"):
+        OPS.bf16w_gemv(torch.randn(65, k), w, None)
+
+
+def test_widened_linear_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "WIDEN_TILE_BYTES", 4 * 50 * 16)  # tiles of 16 features: 45 takes three
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(45, 50, generator=gen).to(torch.bfloat16), torch.randn(45, generator=gen)
+    x = torch.randn(20, 50, generator=gen)
+    close(widened_linear(x, w, b), F.linear(x, w.float(), b))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_layer_keeps_bf16_weights_and_multiplies_in_float32(rows: int) -> None:
+    method = UnquantizedLinearMethod(weight_dtype=torch.bfloat16, widen_ops=OPS if HAS_GEMV else None)
+    layer = Linear(64, 40, True, torch.float32, method)
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(40, 64, generator=gen).to(torch.bfloat16), torch.randn(40, generator=gen)
+    layer.weight_loader(layer.weight, w)
+    assert layer.bias is not None
+    layer.weight_loader(layer.bias, b)
+    method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32 and not layer.packed
+    x = torch.randn(2, rows, 64, generator=gen)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (2, rows, 40)
+    close(y, F.linear(x, w.float(), b))
+
+
+@pytest.mark.parametrize(("runs_bf16", "dtype", "want"), [(False, "auto", "bfloat16"), (True, "auto", None),
+                                                          (False, "float32", None)])
+def test_the_config_keeps_bf16_weights_only_where_auto_falls_back_to_float32(
+        monkeypatch: pytest.MonkeyPatch, runs_bf16: bool, dtype: str, want: str | None) -> None:
+    monkeypatch.setattr(config, "cpu_runs_bf16", lambda: runs_bf16)
+    cfg = EngineArgs(model=DEMO, dtype=dtype, device="cpu").create_engine_config()
+    assert cfg.model.linear_weight_dtype == want
+    assert cfg.model.dtype == ("bfloat16" if runs_bf16 and dtype == "auto" else "float32")
+
+
+@pytest.mark.parametrize("name", ["llama-gqa4-untied", "llama-gqa2-tied"])
+def test_model_cost_counts_the_bf16_weights(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
+                                            monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The bytes a loaded model holds, and MBU's bytes a step, count the bf16 projections (and an untied
+    lm_head) at 2 bytes, the rest at float32's 4."""
+    monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
+    d = build_model(name, str(tmp_path_factory.mktemp("bf16") / name), tokenizer_dir, dtype="bfloat16")
+    cfg = EngineArgs(d, kv_cache_memory="8MiB").create_engine_config()
+    assert cfg.model.linear_weight_dtype == "bfloat16"
+    worker = Worker(cfg)
+    cost = model_cost(cfg)
+    # a tied lm_head is the embedding's float32 tensor, which oneDNN packs where it has no bf16 path (a copy of
+    # its own, as tests/bench/test_quantized_bytes.py counts it)
+    lm_head = worker.model.lm_head.weight
+    tied = cfg.model.arch.tie_word_embeddings
+    tied_copy = int(torch.ops.mkldnn._nbytes(lm_head)) if tied and lm_head.is_mkldnn else 0
+    assert worker.weight_bytes() - tied_copy == cost.weight_bytes
+    float32 = ModelCost(cfg.model.arch, "float32")
+    assert float32.weight_bytes > cost.weight_bytes and float32.decode_weight_bytes() > cost.decode_weight_bytes()
