@@ -325,7 +325,8 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, arch, device, runner)
         max_model_len = self._max_model_len(arch, runner)
-        # dense generate models only: MoE and MLA layers read some linear weights directly
+        # dense generate models only (MoE and MLA models keep float32 weights: ModelCost counts only a dense
+        # model's projections in bf16)
         keep_bf16 = (self.dtype == "auto" and dtype == "float32" and device == "cpu" and arch.dtype == "bfloat16"
                      and runner == "generate" and arch.moe is None and arch.mla is None and self.cpu_kernels)
         self._check_positive()

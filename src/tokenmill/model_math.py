@@ -48,8 +48,8 @@ class ModelCost:
     dtype: str
     kv_dtype: str | None = None  # the KV cache's storage dtype (kv_cache_spec.kv_storage_dtype); None: dtype
     quantization: str | None = None  # one of QUANTIZED_FORMATS: the projections' storage
-    linear_dtype: str | None = None  # the projections' and lm_head's float storage where not dtype (bf16 weights
-    #                                  under a float32 model: config.ModelConfig.linear_weight_dtype)
+    linear_dtype: str | None = None  # the projections' (and an untied lm_head's) float storage where not dtype
+    #                                  (bf16 weights under a float32 model: config.ModelConfig.linear_weight_dtype)
 
     @property
     def elem_bytes(self) -> int:

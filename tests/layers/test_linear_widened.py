@@ -52,8 +52,12 @@ def test_widened_linear_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> Non
     close(widened_linear(x, w, b), F.linear(x, w.float(), b))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 33])
-def test_layer_keeps_bf16_weights_and_multiplies_in_float32(rows: int) -> None:
+@pytest.mark.parametrize("rows", [0, 1, 5, 33])
+@pytest.mark.parametrize("bf16_packs", [False, True], ids=["no-bf16-path", "bf16-path"])
+def test_layer_keeps_bf16_weights_and_multiplies_in_float32(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                            bf16_packs: bool) -> None:
+    # where oneDNN could pack bf16 (the engine does not choose this storage there), the weights stay unpacked
+    monkeypatch.setattr(linear, "packing_available", lambda: bf16_packs)
     method = UnquantizedLinearMethod(weight_dtype=torch.bfloat16, widen_ops=OPS if HAS_GEMV else None)
     layer = Linear(64, 40, True, torch.float32, method)
     gen = torch.Generator().manual_seed(rows)
@@ -97,4 +101,9 @@ def test_model_cost_counts_the_bf16_weights(tmp_path_factory: pytest.TempPathFac
     tied_copy = int(torch.ops.mkldnn._nbytes(lm_head)) if tied and lm_head.is_mkldnn else 0
     assert worker.weight_bytes() - tied_copy == cost.weight_bytes
     float32 = ModelCost(cfg.model.arch, "float32")
-    assert float32.weight_bytes > cost.weight_bytes and float32.decode_weight_bytes() > cost.decode_weight_bytes()
+    a = cfg.model.arch
+    q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
+    lm_head = 0 if a.tie_word_embeddings else a.vocab_size * h
+    bf16 = a.num_layers * (h * (q + 2 * kv) + q * h + 2 * i * h + h * i) + lm_head
+    assert float32.weight_bytes - cost.weight_bytes == 2 * bf16  # 2 bytes saved a bf16 weight
+    assert float32.decode_weight_bytes() - cost.decode_weight_bytes() == 2 * bf16

@@ -16,9 +16,10 @@ import tokenmill.config as config
 from tests.conftest import random_prompts
 from tests.fixtures import MODEL_SPECS, build_model, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kernels.triton.gemv import TritonGemv
 from tokenmill.layers import linear
-from tokenmill.layers.linear import use_triton_gemv
+from tokenmill.layers.linear import use_triton_gemv, widened_linear
 
 BACKENDS = ["torch_ref", "sdpa", "cpu"]
 PROMPTS = random_prompts(9, 3, 60, seed=1)  # mistral's window (24) is shorter than most
@@ -111,6 +112,9 @@ def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPath
     # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights kept in bf16
     # (widened in the product: the C++ GEMV for decode rows, tiles for prefill), against transformers in float32
     # over the same bf16 weights; forced here on any CPU
+    kernels = load_cpu_kernels()
+    if kernels is None or int(kernels.bf16w_gemv_max_rows()) == 0:
+        pytest.skip("the C++ bf16 GEMV (AVX2) is not built here")
     monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
     model_dir = build_model("llama-gqa4-untied", str(tmp_path_factory.mktemp("bf16") / "m"), tokenizer_dir,
                             dtype="bfloat16")
@@ -118,9 +122,25 @@ def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPath
     assert llm.engine.config.model.dtype == "float32"
     assert llm.engine.config.model.linear_weight_dtype == "bfloat16"
     model = llm.engine.core.executor.worker.model
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.bfloat16 and not model.lm_head.packed
+    method = model.lm_head.method  # (every linear layer's)
+    calls = {"gemv": 0, "tiles": 0}
+
+    class Counting:
+        @staticmethod
+        def bf16w_gemv(*args: Any) -> Any:
+            calls["gemv"] += 1
+            return kernels.bf16w_gemv(*args)
+
+    def tiles(*args: Any) -> Any:
+        calls["tiles"] += 1
+        return widened_linear(*args)
+
+    monkeypatch.setattr(method, "widen_ops", Counting())
+    monkeypatch.setattr(linear, "widened_linear", tiles)
     prompts, max_tokens = PROMPTS[:4], MAX_TOKENS[:4]
     assert run(llm, prompts, max_tokens) == [hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens)]
+    assert calls["gemv"] > 0 and calls["tiles"] > 0  # decode rows, and prefill chunks over 16 tokens
 
 
 def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -292,8 +292,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 class UnquantizedLinearMethod:
     """Float weights. `pack`: reorder bf16 CPU weights for oneDNN after loading (float32 ones where oneDNN has no
-    bf16 path). `ops`: tokenmill's C++ CPU kernels, whose GEMV then takes as many rows as it is the faster
-    kernel for, once a probe has checked that it reads this oneDNN's packed layout."""
+    bf16 path); weights stored in another dtype than the model's (`weight_dtype`) are never packed. `ops`:
+    tokenmill's C++ CPU kernels, whose GEMV then takes as many rows as it is the faster kernel for, once a probe
+    has checked that it reads this oneDNN's packed layout."""
 
     def __init__(self, ops: Any = None, pack: bool = True, weight_dtype: torch.dtype | None = None,
                  widen_ops: Any = None) -> None:
@@ -323,7 +324,7 @@ class UnquantizedLinearMethod:
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight
         packs = (self.pack and weight.dtype == torch.bfloat16) or (self.pack_float32 and weight.dtype == torch.float32)
-        if not (packs and weight.device.type == "cpu"):
+        if not (packs and weight.device.type == "cpu") or self.weight_dtype is not None:  # (widened in apply)
             return
         layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
         layer.packed = True
@@ -359,7 +360,7 @@ class UnquantizedLinearMethod:
 
     def _widened(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, layer.input_size)
-        if rows.shape[0] <= self.widen_max_rows:
+        if 0 < rows.shape[0] <= self.widen_max_rows:
             y: torch.Tensor = self.widen_ops.bf16w_gemv(rows.contiguous(), layer.weight, layer.bias)
         else:
             y = widened_linear(rows, layer.weight, layer.bias)

@@ -86,7 +86,12 @@ class Worker:
         """The checkpoint's quantized method (whose kernels take fp32 too), or the float one."""
         quant = self.config.model.quantization
         if quant is None and self.config.model.linear_weight_dtype == "bfloat16":  # (an AVX2 CPU, float32 model)
-            return UnquantizedLinearMethod(self.ops, weight_dtype=torch.bfloat16, widen_ops=load_cpu_kernels())
+            kernels = load_cpu_kernels()
+            if kernels is not None and int(kernels.bf16w_gemv_max_rows()) > 0:
+                return UnquantizedLinearMethod(self.ops, weight_dtype=torch.bfloat16, widen_ops=kernels)
+            # without the C++ GEMV every decode step would widen every weight: float32 weights run faster
+            # (the byte counts of ModelCost still take the weights as bf16)
+            logger.warning("the C++ bf16 GEMV is not built here: the linear layers keep float32 weights")
         if quant is None:
             return UnquantizedLinearMethod(self.ops)
         use_quant_ops = self.device.type == "cpu" and self.config.device.cpu_kernels
