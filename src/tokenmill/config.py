@@ -325,10 +325,11 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, arch, device, runner)
         max_model_len = self._max_model_len(arch, runner)
-        # dense generate models only (MoE and MLA models keep float32 weights: ModelCost counts only a dense
-        # model's projections in bf16)
+        # dense generate models on one rank only (MoE and MLA models, and sharded ones, keep float32 weights:
+        # ModelCost counts only a dense, whole model's projections and embedding in bf16)
         keep_bf16 = (self.dtype == "auto" and dtype == "float32" and device == "cpu" and arch.dtype == "bfloat16"
-                     and runner == "generate" and arch.moe is None and arch.mla is None and self.cpu_kernels)
+                     and runner == "generate" and arch.moe is None and arch.mla is None and self.cpu_kernels
+                     and self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1)
         self._check_positive()
         kv_storage_dtype(self.kv_cache_dtype, dtype)  # refuses an unknown choice
         backend = self.attention_backend

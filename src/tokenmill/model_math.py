@@ -48,7 +48,7 @@ class ModelCost:
     dtype: str
     kv_dtype: str | None = None  # the KV cache's storage dtype (kv_cache_spec.kv_storage_dtype); None: dtype
     quantization: str | None = None  # one of QUANTIZED_FORMATS: the projections' storage
-    linear_dtype: str | None = None  # the projections' (and an untied lm_head's) float storage where not dtype
+    linear_dtype: str | None = None  # the projections', embedding's and lm_head's float storage where not dtype
     #                                  (bf16 weights under a float32 model: config.ModelConfig.linear_weight_dtype)
 
     @property
@@ -188,8 +188,9 @@ class ModelCost:
             if self.linear_dtype is None:
                 return 0
             projections = self.arch.num_layers * sum(r * c for r, c in self._projection_shapes())
-            # an untied lm_head is bf16 too; a tied one is the embedding's float32 tensor
-            return (projections + self.lm_head_params) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
+            # the embedding table (a tied lm_head's too) and an untied lm_head are stored so as well
+            vocab = self.embedding_params + self.lm_head_params
+            return (projections + vocab) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
         if self.quantization not in QUANTIZED_FORMATS:
             raise ValueError(f"quantization {self.quantization!r} unknown; choose from {QUANTIZED_FORMATS}")
         shapes = self._projection_shapes()

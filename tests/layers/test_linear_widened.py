@@ -86,8 +86,8 @@ def test_the_config_keeps_bf16_weights_only_where_auto_falls_back_to_float32(
 @pytest.mark.parametrize("name", ["llama-gqa4-untied", "llama-gqa2-tied"])
 def test_model_cost_counts_the_bf16_weights(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
                                             monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """The bytes a loaded model holds, and MBU's bytes a step, count the bf16 projections (and an untied
-    lm_head) at 2 bytes, the rest at float32's 4."""
+    """The bytes a loaded model holds, and MBU's bytes a step, count the bf16 projections, embedding and lm_head
+    at 2 bytes, the rest at float32's 4."""
     monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
     d = build_model(name, str(tmp_path_factory.mktemp("bf16") / name), tokenizer_dir, dtype="bfloat16")
     cfg = EngineArgs(d, kv_cache_memory="8MiB").create_engine_config()
@@ -103,7 +103,7 @@ def test_model_cost_counts_the_bf16_weights(tmp_path_factory: pytest.TempPathFac
     float32 = ModelCost(cfg.model.arch, "float32")
     a = cfg.model.arch
     q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
-    lm_head = 0 if a.tie_word_embeddings else a.vocab_size * h
-    bf16 = a.num_layers * (h * (q + 2 * kv) + q * h + 2 * i * h + h * i) + lm_head
+    vocab = a.vocab_size * h * (1 if a.tie_word_embeddings else 2)  # the embedding (a tied lm_head's) and lm_head
+    bf16 = a.num_layers * (h * (q + 2 * kv) + q * h + 2 * i * h + h * i) + vocab
     assert float32.weight_bytes - cost.weight_bytes == 2 * bf16  # 2 bytes saved a bf16 weight
     assert float32.decode_weight_bytes() - cost.decode_weight_bytes() == 2 * bf16

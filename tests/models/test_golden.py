@@ -107,8 +107,9 @@ def test_triton_backend(model_dirs: dict[str, str]) -> None:
     check_prefix_hits(llm, model_dir, 3)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa4-untied", "llama-gqa2-tied", "gemma2-softcap"])
 def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights kept in bf16
     # (widened in the product: the C++ GEMV for decode rows, tiles for prefill), against transformers in float32
     # over the same bf16 weights; forced here on any CPU
@@ -116,13 +117,13 @@ def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPath
     if kernels is None or int(kernels.bf16w_gemv_max_rows()) == 0:
         pytest.skip("the C++ bf16 GEMV (AVX2) is not built here")
     monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
-    model_dir = build_model("llama-gqa4-untied", str(tmp_path_factory.mktemp("bf16") / "m"), tokenizer_dir,
-                            dtype="bfloat16")
+    model_dir = build_model(name, str(tmp_path_factory.mktemp("bf16") / name), tokenizer_dir, dtype="bfloat16")
     llm = LLM(model_dir, kv_cache_memory="8MiB", max_num_seqs=4)
     assert llm.engine.config.model.dtype == "float32"
     assert llm.engine.config.model.linear_weight_dtype == "bfloat16"
     model = llm.engine.core.executor.worker.model
-    assert model.lm_head.weight.dtype == torch.bfloat16 and not model.lm_head.packed
+    assert model.lm_head.weight.dtype == model.embed_tokens.weight.dtype == torch.bfloat16
+    assert not model.lm_head.packed
     method = model.lm_head.method  # (every linear layer's)
     calls = {"gemv": 0, "tiles": 0}
 

@@ -209,10 +209,28 @@ class RowParallelLinear(LinearBase):
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding without random initialisation: every weight comes from the checkpoint."""
+    """nn.Embedding without random initialisation: every weight comes from the checkpoint. `dtype`: the table's,
+    where it is not the model's (`out_dtype`, which the rows are widened to: bf16 weights under a float32
+    model, UnquantizedLinearMethod.weight_dtype)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype=dtype)
+        self.out_dtype = out_dtype
 
     def reset_parameters(self) -> None:
         return None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows: torch.Tensor = super().forward(input_ids)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
+
+
+def embedding_for(vocab_size: int, hidden_size: int, dtype: torch.dtype, method: LinearMethod) -> Embedding:
+    """The model's embedding table, in the linear layers' storage dtype where their method keeps one apart from
+    the model's (so that a tied lm_head is that dtype too)."""
+    stored = getattr(method, "weight_dtype", None)
+    return Embedding(vocab_size, hidden_size) if stored is None else Embedding(vocab_size, hidden_size, stored, dtype)
 
 
 # ---- the unquantized method ----------------------------------------------------------------------

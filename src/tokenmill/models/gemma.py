@@ -17,7 +17,7 @@ from tokenmill.arch import ArchConfig
 from tokenmill.attention.backend import AttentionMetadata, OutputRows
 from tokenmill.layers.activation import GeluAndMul
 from tokenmill.layers.attention import PagedAttention
-from tokenmill.layers.linear import Embedding, Linear, MergedLinear, QKVLinear
+from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear, embedding_for
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayout, ModelOptions
@@ -94,7 +94,7 @@ class GemmaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, opts: ModelOptions) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding_for(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.linear_method)
         self.embed_scale: torch.Tensor  # sqrt(hidden) rounded to the model's dtype, as transformers does
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(opts.dtype),
                              persistent=False)

@@ -36,6 +36,7 @@ from tokenmill.layers.linear import (
     QKVLinear,
     RowParallelLinear,
     ShardId,
+    embedding_for,
     weight_loader_of,
 )
 from tokenmill.layers.norm import RMSNorm
@@ -149,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.stage_layers = pp.layers(cfg.num_layers)
         self.embed_tokens: Embedding | VocabParallelEmbedding | PPMissingLayer = (
             PPMissingLayer() if not pp.is_first
-            else Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
+            else embedding_for(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.linear_method) if tp.size == 1
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(self.decoder_layer(cfg, opts, i) if i in self.stage_layers else PPMissingLayer()
                                     for i in range(cfg.num_layers))
