@@ -155,7 +155,8 @@ class ModelCost:
     def weight_bytes(self) -> int:
         """The bytes the weights hold, W8A8's second, oneDNN-packed copy left out (1 byte per projection
         weight and oneDNN's padding, which oneDNN's layout decides)."""
-        return self.params * self.elem_bytes - self.quantization_saving + self.float32_router_bytes
+        return (self.params * self.elem_bytes - self.quantization_saving - self.linear_dtype_saving(held=True)
+                + self.float32_router_bytes)
 
     def _projection_shapes(self) -> list[tuple[int, int]]:
         """(rows, columns) of a decoder layer's qkv, o, gate/up and down projections."""
@@ -168,6 +169,7 @@ class ModelCost:
         k = 0 if self.arch.moe is None else self.arch.moe.top_k
         extra = self._unread_expert_params(k) - self._unread_expert_params(self.experts_read(batch))
         return (round(self.matmul_params + extra + rows) * self.elem_bytes - self.quantization_saving
+                - self.linear_dtype_saving(held=False)
                 + self.float32_router_bytes)
 
     @property
@@ -180,17 +182,21 @@ class ModelCost:
         router = moe.num_experts * (self.arch.hidden_size + moe.score_correction_bias)
         return self.sparse_layers * router * max(0, 4 - self.elem_bytes)
 
+    def linear_dtype_saving(self, held: bool) -> int:
+        """Bytes the projections, embedding table and lm_head stored in linear_dtype save over dtype (0 without
+        one): in memory (held), or read by a decode step (the projections and the one vocabulary matrix the
+        lm_head multiplies by: a tied one is the embedding table)."""
+        if self.linear_dtype is None or self.quantization is not None:
+            return 0
+        projections = self.arch.num_layers * sum(r * c for r, c in self._projection_shapes())
+        vocab = self.embedding_params + self.lm_head_params if held else self.embedding_params
+        return (projections + vocab) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
+
     @property
     def quantization_saving(self) -> int:
-        """Bytes the quantized projections save over float ones, or the bf16-stored projections and lm_head
-        over float32 ones (linear_dtype); 0 otherwise."""
+        """Bytes the quantized projections save over float ones (0 unquantized)."""
         if self.quantization is None:
-            if self.linear_dtype is None:
-                return 0
-            projections = self.arch.num_layers * sum(r * c for r, c in self._projection_shapes())
-            # the embedding table (a tied lm_head's too) and an untied lm_head are stored so as well
-            vocab = self.embedding_params + self.lm_head_params
-            return (projections + vocab) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
+            return 0
         if self.quantization not in QUANTIZED_FORMATS:
             raise ValueError(f"quantization {self.quantization!r} unknown; choose from {QUANTIZED_FORMATS}")
         shapes = self._projection_shapes()
