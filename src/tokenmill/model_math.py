@@ -182,6 +182,12 @@ class ModelCost:
         router = moe.num_experts * (self.arch.hidden_size + moe.score_correction_bias)
         return self.sparse_layers * router * max(0, 4 - self.elem_bytes)
 
+    @property
+    def matmul_weight_bytes(self) -> int:
+        """The bytes of the weights one token multiplies by (matmul_params), as they are stored (quantized or
+        bf16-stored projections counted so)."""
+        return self.matmul_params * self.elem_bytes - self.quantization_saving - self.linear_dtype_saving(held=False)
+
     def linear_dtype_saving(self, held: bool) -> int:
         """Bytes the projections, embedding table and lm_head stored in linear_dtype save over dtype (0 without
         one): in memory (held), or read by a decode step (the projections and the one vocabulary matrix the
@@ -271,7 +277,7 @@ class ModelCost:
         denom = per_seq_flops * ratio - per_seq_bytes
         if denom <= 0:
             return None
-        return self.matmul_params * self.elem_bytes / denom
+        return self.matmul_weight_bytes / denom
 
 
 def decode_positions(prompt_len: int, output_len: int) -> tuple[int, int]:

@@ -94,18 +94,15 @@ def test_model_cost_counts_the_bf16_weights(tmp_path_factory: pytest.TempPathFac
     assert cfg.model.linear_weight_dtype == "bfloat16"
     worker = Worker(cfg)
     cost = model_cost(cfg)
-    # a tied lm_head is the embedding's float32 tensor, which oneDNN packs where it has no bf16 path (a copy of
-    # its own, as tests/bench/test_quantized_bytes.py counts it)
-    lm_head = worker.model.lm_head.weight
-    tied = cfg.model.arch.tie_word_embeddings
-    tied_copy = int(torch.ops.mkldnn._nbytes(lm_head)) if tied and lm_head.is_mkldnn else 0
-    assert worker.weight_bytes() - tied_copy == cost.weight_bytes
+    assert not worker.model.lm_head.weight.is_mkldnn  # (bf16-stored weights are never packed: no second copy)
+    assert worker.weight_bytes() == cost.weight_bytes
     float32 = ModelCost(cfg.model.arch, "float32")
     a = cfg.model.arch
     q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
     projections = a.num_layers * (h * (q + 2 * kv) + q * h + 2 * i * h + h * i)
     tables = 1 if a.tie_word_embeddings else 2  # the embedding (a tied lm_head's too), an untied lm_head
     assert float32.weight_bytes - cost.weight_bytes == 2 * (projections + tables * a.vocab_size * h)  # 2 bytes each
-    # a step reads the projections and one vocabulary matrix (the lm_head's; the embedding's one row is float32's
-    # count either way)
+    # a step reads the projections and one vocabulary matrix (the lm_head's); ModelCost counts an untied model's
+    # one embedding row a token at float32's bytes in both
     assert float32.decode_weight_bytes() - cost.decode_weight_bytes() == 2 * (projections + a.vocab_size * h)
+    assert float32.matmul_weight_bytes - cost.matmul_weight_bytes == 2 * (projections + a.vocab_size * h)

@@ -7,7 +7,8 @@ The estimates divide the least work the run needs by its median wall time and th
 (`tokenmill bench roofline`, cached; neither ratio exceeds 1: a rate above its ceiling raises it, and
 `*_ceiling_raised` says so):
   MFU: the FLOPs of every request with nothing cached (ModelCost.request_flops) / peak FLOP/s of the dtype.
-  MBU: the bytes the steps must move at the least (the matmul weights once per step, each request's KV
+  MBU: the bytes the steps must move at the least (the matmul weights once per step, as stored
+       (ModelCost.matmul_weight_bytes), each request's KV
        as ModelCost.request_kv_bytes counts it) / memory read bandwidth.
 A large batch is compute-bound, so its MFU is the telling figure; batch-1 decode's is MBU (`bench latency`)."""
 
@@ -66,7 +67,7 @@ def estimates(cost: ModelCost, lens: list[tuple[int, int]], steps: float, wall_s
               roof: Ceilings) -> dict[str, Any]:
     """MFU and MBU of a run: `lens` holds each request's (prompt, output) tokens (see the module's doc)."""
     flops = sum(cost.request_flops(p, o) for p, o in lens)
-    nbytes = steps * cost.matmul_params * cost.elem_bytes + sum(cost.request_kv_bytes(p, o) for p, o in lens)
+    nbytes = steps * cost.matmul_weight_bytes + sum(cost.request_kv_bytes(p, o) for p, o in lens)
     out: dict[str, Any] = {
         "flops": sig(flops), "bytes": sig(nbytes), "achieved_gflops": sig(flops / wall_s / 1e9),
         "achieved_GBps": sig(nbytes / wall_s / 1e9), "mem_read_GBps": roof.bandwidth_gbps,
