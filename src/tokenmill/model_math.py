@@ -61,7 +61,13 @@ class ModelCost:
 
     @property
     def lm_head_params(self) -> int:
+        """The lm_head's own weights (0 when tied: the embedding table's are counted once, as the model holds them)."""
         return 0 if self.arch.tie_word_embeddings else self.embedding_params
+
+    @property
+    def head_matmul_params(self) -> int:
+        """The weights the lm_head multiplies by, tied or not (one vocabulary matrix)."""
+        return self.embedding_params
 
     @property
     def attention_params_per_layer(self) -> int:
@@ -195,7 +201,7 @@ class ModelCost:
         if self.linear_dtype is None or self.quantization is not None:
             return 0
         projections = self.arch.num_layers * sum(r * c for r, c in self._projection_shapes())
-        vocab = self.embedding_params + self.lm_head_params if held else self.embedding_params
+        vocab = self.embedding_params + self.lm_head_params if held else self.head_matmul_params
         return (projections + vocab) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
 
     @property
@@ -251,8 +257,8 @@ class ModelCost:
     def prefill_flops_per_token(self, prompt_len: int) -> float:
         """Average FLOPs per prompt token of a causal prefill of `prompt_len` tokens. The lm_head
         runs once per prompt (only the last position is sampled), not once per token."""
-        body = self.matmul_params - self.lm_head_params
-        return (2 * body + 2 * self.lm_head_params / prompt_len
+        body = self.matmul_params - self.head_matmul_params
+        return (2 * body + 2 * self.head_matmul_params / prompt_len
                 + self.attn_flops_per_position * (prompt_len + 1) / 2)
 
     def request_flops(self, prompt_len: int, output_len: int) -> float:

@@ -40,6 +40,9 @@ def test_counts_by_hand() -> None:
     # positions 1, 2, 3 -> average 2; the lm_head runs once per prompt, not per token
     body = 80448 - cost.lm_head_params
     assert cost.prefill_flops_per_token(3) == 2 * body + 2 * cost.lm_head_params / 3 + 512 * 2
+    # tied: the lm_head (the embedding table) also runs once per prompt, not once per token
+    head = tied.embedding_params
+    assert tied.prefill_flops_per_token(3) == 2 * (80448 - head) + 2 * head / 3 + 512 * 2
     # 64 KiB of KV in 16-token blocks of 4096 B: 16 blocks, 256 tokens, 4 requests of 64 tokens
     assert kv_capacity(65536, cost, 16) == 256 and max_requests(256, 64, 16) == 4 and max_requests(256, 65, 16) == 3
 

@@ -68,8 +68,9 @@ def step_bytes(cost: ModelCost, tokens: int, kv_tokens: int) -> float:
 
 
 def step_flops(cost: ModelCost, tokens: int, sampled_rows: int, attended: int) -> float:
-    body = cost.matmul_params - cost.lm_head_params
-    return float(2 * body * tokens + 2 * cost.lm_head_params * sampled_rows + cost.attn_flops_per_position * attended)
+    body = cost.matmul_params - cost.head_matmul_params
+    return float(2 * body * tokens + 2 * cost.head_matmul_params * sampled_rows
+                 + cost.attn_flops_per_position * attended)
 
 
 def step_rates(first: StepStats, last: StepStats) -> tuple[float, float] | None:
