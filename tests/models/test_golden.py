@@ -19,7 +19,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kernels.triton.gemv import TritonGemv
 from tokenmill.layers import linear
-from tokenmill.layers.linear import use_triton_gemv, widened_linear
+from tokenmill.layers.linear import LinearBase, WidenedGemv, use_triton_gemv, widened_linear
 
 BACKENDS = ["torch_ref", "sdpa", "cpu"]
 PROMPTS = random_prompts(9, 3, 60, seed=1)  # mistral's window (24) is shorter than most
@@ -124,20 +124,20 @@ def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPath
     model = llm.engine.core.executor.worker.model
     assert model.lm_head.weight.dtype == model.embed_tokens.weight.dtype == torch.bfloat16
     assert not model.lm_head.packed
-    method = model.lm_head.method  # (every linear layer's)
     calls = {"gemv": 0, "tiles": 0}
 
-    class Counting:
-        @staticmethod
-        def bf16w_gemv(*args: Any) -> Any:
-            calls["gemv"] += 1
-            return kernels.bf16w_gemv(*args)
+    def gemv(*args: Any) -> Any:
+        calls["gemv"] += 1
+        return kernels.bf16w_gemv(*args)
 
     def tiles(*args: Any) -> Any:
         calls["tiles"] += 1
         return widened_linear(*args)
 
-    monkeypatch.setattr(method, "widen_ops", Counting())
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.gemv_ops, WidenedGemv) for m in layers)  # every layer's GEMV slot holds the C++ GEMV
+    for m in layers:
+        monkeypatch.setattr(m.gemv_ops, "packed_gemv", gemv)
     monkeypatch.setattr(linear, "widened_linear", tiles)
     prompts, max_tokens = PROMPTS[:4], MAX_TOKENS[:4]
     assert run(llm, prompts, max_tokens) == [hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens)]
@@ -154,7 +154,6 @@ def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", block_size=16,
               max_num_seqs=4, enforce_eager=True)  # (on a GPU: graphs replay the GEMV without these calls)
     model = llm.engine.core.executor.worker.model
-    assert use_triton_gemv(model, TritonGemv()) > 0 and model.lm_head.gemv_ops is not None
     calls = {"gemv": 0, "gated": 0}
     gemv_calls, gated_calls = TritonGemv.packed_gemv, TritonGemv.gated_gemv
 
@@ -166,6 +165,8 @@ def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(TritonGemv, "packed_gemv", staticmethod(count("gemv", gemv_calls)))
     monkeypatch.setattr(TritonGemv, "gated_gemv", staticmethod(count("gated", gated_calls)))
+    # (after the counters: a layer resolves the gated form once, when it takes the GEMV)
+    assert use_triton_gemv(model, TritonGemv()) > 0 and model.lm_head.gemv_ops is not None
     prompts, max_tokens = PROMPTS[:3], [6, 9, 4]
     assert run(llm, prompts, max_tokens) == expected(model_dir, prompts, max_tokens)
     assert calls["gemv"] > 0 and calls["gated"] > 0

@@ -90,6 +90,7 @@ class LinearBase(nn.Module):
         self.packed = False
         self.gemv_ops: Any = None
         self.gemv_max_rows = 0
+        self.gemv_gated: Any = None  # gemv_ops.gated_gemv where it has one (resolved once: not per step)
         method.create_weights(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,10 +101,9 @@ class LinearBase(nn.Module):
         """silu(gate) * up times this layer's weight, gate and up the halves of `gate_up` [T, 2 * input_size],
         in one kernel: the decode GEMV's gated form where it takes these rows (`gemv_ops.gated_gemv`), else
         None (the caller runs the activation and then the layer)."""
-        gated = getattr(self.gemv_ops, "gated_gemv", None)
-        if gated is None or gate_up.dim() != 2 or gate_up.shape[0] > self.gemv_max_rows:
+        if self.gemv_gated is None or gate_up.dim() != 2 or gate_up.shape[0] > self.gemv_max_rows:
             return None
-        y: torch.Tensor = gated(gate_up.contiguous(), self.weight, self.bias)
+        y: torch.Tensor = self.gemv_gated(gate_up.contiguous(), self.weight, self.bias)
         return y if self.tp_reduce is None else self.tp_reduce.all_reduce(y)
 
     def shard_range(self, shard_id: ShardId, dim_size: int | None = None) -> tuple[int, int]:
@@ -317,11 +317,10 @@ class UnquantizedLinearMethod:
     def __init__(self, ops: Any = None, pack: bool = True, weight_dtype: torch.dtype | None = None,
                  widen_ops: Any = None) -> None:
         # weight_dtype bfloat16 under a float32 model (config.ModelConfig.linear_weight_dtype): the weights stay
-        # bf16 and widen to float32 in the product, by widen_ops.bf16w_gemv (C++, AVX2) up to its rows, else a
-        # tile at a time (widened_linear)
+        # bf16 and widen to float32 in the product, by widen_ops.bf16w_gemv (C++, AVX2) in the layers' GEMV slot
+        # up to its rows, else a tile at a time (widened_linear)
         self.weight_dtype = weight_dtype
-        self.widen_ops = widen_ops
-        self.widen_max_rows = int(widen_ops.bf16w_gemv_max_rows()) if widen_ops is not None else 0
+        self.widen_gemv = WidenedGemv(widen_ops) if widen_ops is not None else None
         self.pack = pack and packing_available()
         # where oneDNN has no bf16 path (an AVX2-only CPU, where dtype auto is float32), float32 weights are packed
         # too: oneDNN's packed float32 product runs there where torch's F.linear takes MKL's
@@ -341,8 +340,12 @@ class UnquantizedLinearMethod:
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight
+        if self.weight_dtype is not None:  # never packed: widened in the product
+            if self.widen_gemv is not None:
+                self.enable_gemv(layer, self.widen_gemv)
+            return
         packs = (self.pack and weight.dtype == torch.bfloat16) or (self.pack_float32 and weight.dtype == torch.float32)
-        if not (packs and weight.device.type == "cpu") or self.weight_dtype is not None:  # (widened in apply)
+        if not (packs and weight.device.type == "cpu"):
             return
         layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
         layer.packed = True
@@ -364,6 +367,7 @@ class UnquantizedLinearMethod:
         ops.packed_gemv_max_rows(input_size)); oneDNN (packed) or F.linear beyond."""
         layer.gemv_ops = ops
         layer.gemv_max_rows = int(ops.packed_gemv_max_rows(layer.input_size))
+        layer.gemv_gated = getattr(ops, "gated_gemv", None)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if layer.gemv_ops is not None and x.numel() <= layer.gemv_max_rows * layer.input_size:
@@ -371,18 +375,11 @@ class UnquantizedLinearMethod:
             y: torch.Tensor = layer.gemv_ops.packed_gemv(rows, layer.weight, layer.bias)
             return y.view(*x.shape[:-1], layer.output_size)
         if not layer.packed:
-            if layer.weight.dtype != x.dtype:  # bf16-stored weights under a float32 model
-                return self._widened(layer, x)
+            if layer.weight.dtype != x.dtype:  # bf16-stored weights under a float32 model, past the GEMV's rows
+                return widened_linear(x.reshape(-1, layer.input_size), layer.weight, layer.bias).view(
+                    *x.shape[:-1], layer.output_size)
             return F.linear(x, layer.weight, layer.bias)
         return onednn_linear(x, layer.weight, layer.bias)
-
-    def _widened(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, layer.input_size)
-        if 0 < rows.shape[0] <= self.widen_max_rows:
-            y: torch.Tensor = self.widen_ops.bf16w_gemv(rows.contiguous(), layer.weight, layer.bias)
-        else:
-            y = widened_linear(rows, layer.weight, layer.bias)
-        return y.view(*x.shape[:-1], layer.output_size)
 
     @staticmethod
     def gemv_data_ptr(layer: LinearBase) -> int:
@@ -393,17 +390,26 @@ class UnquantizedLinearMethod:
         return int(torch.ops.mkldnn.data_ptr(layer.weight))
 
 
+class WidenedGemv:
+    """The C++ GEMV over bf16-stored weights (kernels/cpu/linear/bf16w_gemv.cpp) in the form the layers' GEMV
+    slot takes (`LinearBase.gemv_ops`, as the packed GEMV and the Triton one)."""
+
+    def __init__(self, ops: Any) -> None:
+        self.packed_gemv = ops.bf16w_gemv
+        self.max_rows = int(ops.bf16w_gemv_max_rows())
+
+    def packed_gemv_max_rows(self, input_size: int) -> int:
+        return self.max_rows
+
+
 def use_triton_gemv(model: nn.Module, ops: Any) -> int:
     """Give every unquantized linear layer whose weight is a plain row-major matrix (not oneDNN-packed: on a
     GPU, every one) the decode GEMV of `ops` (kernels/triton/gemv.py's TritonGemv) for batches up to its row
-    limit; None takes it away again. Returns how many layers changed."""
+    limit. Returns how many layers took it."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and isinstance(m.method, UnquantizedLinearMethod)
               and not m.packed and m.weight.dim() == 2 and m.weight.is_contiguous()]
     for m in layers:
-        if ops is None:
-            m.gemv_ops, m.gemv_max_rows = None, 0
-        else:
-            UnquantizedLinearMethod.enable_gemv(m, ops)
+        UnquantizedLinearMethod.enable_gemv(m, ops)
     return len(layers)
 
 

@@ -52,7 +52,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * rope.partial_rotary_factor)
-        self.ops: Any = None  # tokenmill's C++ CPU kernels, once use_cpu_kernels sets them
+        self.ops = None  # tokenmill's C++ CPU kernels (or the Triton ones), once use_cpu_kernels sets them
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None]
         freqs = positions * inv_frequencies(self.rot_dim, rope)[None, :]
         if rope.rope_type == "longrope":
@@ -66,11 +66,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin_cache", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
 
+    @property
+    def ops(self) -> Any:
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: Any) -> None:
+        self._ops = ops
+        self._rotary_qk = getattr(ops, "rotary_qk_", None)  # q and k in one call, where the ops have it
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated (in place on the fused path)."""
         if self.ops is not None and q.dtype == torch.bfloat16 and self.rot_dim == q.shape[-1]:
-            if (both := getattr(self.ops, "rotary_qk_", None)) is not None:  # (the Triton ops: one launch)
-                both(q, k, positions, self.cos_cache, self.sin_cache)
+            if self._rotary_qk is not None:  # (the Triton ops: one launch)
+                self._rotary_qk(q, k, positions, self.cos_cache, self.sin_cache)
                 return q, k
             self.ops.rotary_(q, positions, self.cos_cache, self.sin_cache)
             self.ops.rotary_(k, positions, self.cos_cache, self.sin_cache)
