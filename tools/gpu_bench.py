@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.bench.results import gpu_pdl
 from tokenmill.bench.workload import random_workload
 from tokenmill.config import EngineArgs
 
@@ -116,7 +117,7 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     common = {"model": args.model, "attention_backend": config.attention_backend,
               "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
               "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0, "gemv": args.gemv,
-              "gated": args.gated,
+              "gated": args.gated, "pdl": gpu_pdl(DEVICE),
               "batch": args.batch, "steps": steps, "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
               "device": device_name()}
     if prof is None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost, decode_floor, kv_capacity, max_requests
-from tokenmill.bench.results import ResultSink, emit, loaded_weight_bytes, peak_rss_mb, require_positive, sig
+from tokenmill.bench.results import ResultSink, emit, gpu_pdl, loaded_weight_bytes, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import run_dataset, spec_fields
 from tokenmill.bench.workload import random_workload
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         **plan_fields(config, cost, context, llm.engine.core.num_blocks),
         **engine_fields(stats0.step, stats1.step, roof),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
-        "linear_weight_dtype": config.model.linear_weight_dtype,
+        "linear_weight_dtype": config.model.linear_weight_dtype, "pdl": gpu_pdl(config.device.device),
         "loaded_weight_bytes": loaded_weight_bytes(llm),
         "load_s": round(load_s, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "loadavg": round(os.getloadavg()[0], 2),
         "kv_blocks": llm.engine.core.num_blocks, "block_size": config.cache.block_size,

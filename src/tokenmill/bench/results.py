@@ -46,6 +46,17 @@ def loaded_weight_bytes(llm: Any) -> int:
     return int(llm.engine.core.executor.collective_rpc("weight_bytes")[0])
 
 
+def gpu_pdl(device: str) -> bool | None:
+    """Whether the Triton kernels launch with programmatic dependent launch on `device` (kernels/triton/common.py);
+    None on the CPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    from tokenmill.kernels.triton.common import use_pdl
+    return use_pdl(torch.device("cuda"))
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)

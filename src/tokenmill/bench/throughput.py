@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.model_math import ModelCost
-from tokenmill.bench.results import ResultSink, emit, loaded_weight_bytes, peak_rss_mb, require_positive, sig
+from tokenmill.bench.results import ResultSink, emit, gpu_pdl, loaded_weight_bytes, peak_rss_mb, require_positive, sig
 from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
 from tokenmill.bench.spec_workload import spec_fields
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_seq_len": seq_len, "kv_seqs_fit": blocks // -(-seq_len // bs),
         "quantization": None if quant is None else quant.format, "weight_format": cost.quantization,
-        "linear_weight_dtype": config.model.linear_weight_dtype,
+        "linear_weight_dtype": config.model.linear_weight_dtype, "pdl": gpu_pdl(config.device.device),
         "weight_bytes": cost.weight_bytes, "loaded_weight_bytes": loaded_weight_bytes(llm),
         "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,

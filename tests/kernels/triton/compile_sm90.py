@@ -38,7 +38,7 @@ def attention(dt: str, cache_dt: str, features: bool, direct: bool = False) -> l
                  tables_ptr="*i32", lens_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*" + dt,
                  scale=F32, softcap=F32, starts_ptr="*i32", tile_seq_ptr="*i32", tile_q0_ptr="*i32")
     common = dict(GROUP=8, HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16, TILE_N=64, QUANT=cache_dt in ("i8", "fp8e4nv"),
-                  SOFTCAP=features, WINDOW=features, DOT_F32=dt == "fp32")
+                  SOFTCAP=features, WINDOW=features, DOT_F32=dt == "fp32", PDL=features)
     tag = f"{dt}/{cache_dt}{' window softcap' if features else ''}"
     return [compile_one(f"decode {tag}", pa._decode_split_kernel, types, dict(common, BLOCK_H=16, DIRECT=direct)),
             compile_one(f"prefill {tag}", pa._prefill_kernel, types, dict(common, G_PAD=8, BLOCK_Q=16), num_warps=8)]
@@ -50,23 +50,25 @@ def main() -> int:
     ok = attention("bf16", "bf16", True) + attention("fp32", "fp32", False, direct=True)
     ok += attention("bf16", "i8", False)
     ok += [
-        compile_one("reduce", pa._decode_reduce_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=bf),
-                    dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=16)),
+        compile_one("reduce", pa._decode_reduce_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                                                             lens_ptr="*i32", out_ptr=bf),
+                    dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=16, TILE_N=64, WINDOW=True, PDL=True)),
         compile_one("store_kv", pa._store_kv_kernel, dict(k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, slots_ptr="*i64"),
-                    dict(BLOCK_SIZE=16, NUM_KV_HEADS=4, HEAD_DIM=64, BLOCK_HK=4, BLOCK_D=64)),
+                    dict(BLOCK_SIZE=16, NUM_KV_HEADS=4, HEAD_DIM=64, BLOCK_HK=4, BLOCK_D=64, PDL=True)),
         compile_one("rms_norm", ew._rms_norm_kernel, dict(x_ptr=bf, w_ptr=bf, res_ptr=bf, out_ptr=bf, eps=F32),
-                    dict(H=2048, BLOCK=2048, RESIDUAL=True)),
+                    dict(H=2048, BLOCK=2048, RESIDUAL=True, PDL=True)),
         compile_one("rotary", ew._rotary_kernel, dict(x_ptr=bf, pos_ptr="*i64", cos_ptr=bf, sin_ptr=bf),
-                    dict(HEADS=32, HALF=32, BLOCK_H=32, BLOCK_HALF=32)),
-        compile_one("silu_and_mul", ew._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(INTER=5632, BLOCK=1024)),
+                    dict(HEADS=32, HALF=32, BLOCK_H=32, BLOCK_HALF=32, PDL=True)),
+        compile_one("silu_and_mul", ew._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf),
+                    dict(INTER=5632, BLOCK=1024, PDL=True)),
         compile_one("rotary_qk", ew._rotary_qk_kernel, dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_ptr=bf, sin_ptr=bf),
-                    dict(Q_HEADS=32, K_HEADS=4, HALF=32, BLOCK_QH=32, BLOCK_KH=4, BLOCK_HALF=32)),
+                    dict(Q_HEADS=32, K_HEADS=4, HALF=32, BLOCK_QH=32, BLOCK_KH=4, BLOCK_HALF=32, PDL=True)),
     ]
     gemv_types = dict(x_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf)
     ok += [compile_one(f"gemv rows={rows} block_n={block_n}{' gated' if gated else ''}", gv._gemv_kernel, gemv_types,
                        dict(ROWS=rows, BLOCK_N=block_n, BLOCK_K=1024 if rows == 1 else 512, HAS_BIAS=not gated,
-                            GATED=gated))
-           for rows, block_n, gated in [(1, 2, False), (8, 2, False), (1, 1, True)]]
+                            GATED=gated, PDL=pdl))
+           for rows, block_n, gated, pdl in [(1, 2, False, True), (8, 2, False, False), (1, 1, True, True)]]
     ok += [compile_one(f"gemv_dot {dt}", gv._gemv_dot_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt,
                                                                    y_ptr="*" + dt),
                        dict(BLOCK_N=32, BLOCK_K=256, HAS_BIAS=True, GATED=True, DOT_F32=dt == "fp32"))

@@ -97,17 +97,23 @@ def test_quantized_cache_matches_reference(qdtype: torch.dtype) -> None:
     torch.testing.assert_close(attend("triton", meta, q, kc, vc, scales), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [1, 8])
-def test_decode_splits_combine_to_one_softmax(splits: int) -> None:
-    # any split of the context gives the same output; a row of length 0 (a padded CUDA-graph row) gives 0
-    meta, q, keys, values = random_step(7, 16, 8, 2, torch.float32, None)
+@pytest.mark.parametrize("splits,window", [(1, None), (8, None), (8, 20), (64, None)])
+def test_decode_splits_combine_to_one_softmax(splits: int, window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # any split of the context gives the same output; a row of length 0 (a padded CUDA-graph row) gives 0;
+    # splits past a short context's tiles write nothing and the combine reads none of them (the partial
+    # buffers start as NaN here, so a read of one would show)
+    meta, q, keys, values = random_step(7, 16, 8, 2, torch.float32, window)
     kc, vc, _ = caches(meta, keys, values, torch.float32, "triton")
     want = attend("torch_ref", meta, q, kc, vc, None)[:3]
     tables = torch.tensor([t + [0] * (5 - len(t)) for t in meta.block_tables[:3]] + [[0] * 5], dtype=torch.int32)
     lens = torch.tensor(CTX_LENS[:3] + [0], dtype=torch.int32)
     out = torch.full((4, 8, DIM), 7.0, device=DEVICE)
     qd = torch.cat([q[:3], q[:1]]).to(DEVICE)
-    pa.paged_decode(qd, kc, vc, tables.to(DEVICE), lens.to(DEVICE), DIM**-0.5, out, num_splits=splits, tile_n=16)
+    full = torch.full
+    monkeypatch.setattr(torch, "empty", lambda *size, dtype=None, device=None: full(size, float("nan"), dtype=dtype,
+                                                                                     device=device))
+    pa.paged_decode(qd, kc, vc, tables.to(DEVICE), lens.to(DEVICE), DIM**-0.5, out, num_splits=splits, tile_n=16,
+                    window=window)
     torch.testing.assert_close(out[:3].cpu(), want, atol=1e-5, rtol=1e-5)
     assert (out[3] == 0).all()
 

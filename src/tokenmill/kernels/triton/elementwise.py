@@ -16,10 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.common import pdl_args, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, eps, stride_x, stride_r, stride_o, H: tl.constexpr,
-                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     mask = i < H
@@ -58,7 +61,8 @@ def _rotate_heads(x_ptr, p, cos_ptr, sin_ptr, stride_h, stride_c, HEADS: tl.cons
 
 @triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, HEADS: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     _rotate_heads(x_ptr + t * stride_t, tl.load(pos_ptr + t), cos_ptr, sin_ptr, stride_h, stride_c, HEADS, HALF,
                   BLOCK_H, BLOCK_HALF)
@@ -67,7 +71,8 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_
 @triton.jit
 def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
                       Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
-                      BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                      BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     p = tl.load(pos_ptr + t)
     _rotate_heads(q_ptr + t * stride_qt, p, cos_ptr, sin_ptr, stride_qh, stride_c, Q_HEADS, HALF, BLOCK_QH,
@@ -77,7 +82,9 @@ def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
@@ -98,7 +105,8 @@ class TritonOps:
         if rows:
             res = residual if residual is not None else x
             _rms_norm_kernel[(rows,)](x, weight, res, out, eps, x.stride(0), res.stride(0), out.stride(0), H=h,
-                                      BLOCK=triton.next_power_of_2(h), RESIDUAL=residual is not None)
+                                      BLOCK=triton.next_power_of_2(h), RESIDUAL=residual is not None,
+                                      **pdl_args(x.device))
         return out
 
     @staticmethod
@@ -108,7 +116,7 @@ class TritonOps:
         if t:
             _rotary_kernel[(t,)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HEADS=heads,
                                  HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
-                                 BLOCK_HALF=triton.next_power_of_2(dim // 2))
+                                 BLOCK_HALF=triton.next_power_of_2(dim // 2), **pdl_args(x.device))
 
     @staticmethod
     def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -121,7 +129,7 @@ class TritonOps:
             _rotary_qk_kernel[(t,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                     cos.stride(0), Q_HEADS=q_heads, K_HEADS=k_heads, HALF=dim // 2,
                                     BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(k_heads),
-                                    BLOCK_HALF=triton.next_power_of_2(dim // 2))
+                                    BLOCK_HALF=triton.next_power_of_2(dim // 2), **pdl_args(q.device))
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -131,5 +139,5 @@ class TritonOps:
         block = min(1024, triton.next_power_of_2(inter))
         if rows:
             _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), INTER=inter,
-                                                                    BLOCK=block)
+                                                                    BLOCK=block, **pdl_args(x.device))
         return out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.common import interpreting
+from tokenmill.kernels.triton.common import interpreting, pdl_args, pdl_wait
 
 GEMV_MAX_ROWS = 8  # the most rows `gemv` takes
 GEMV_DOT_MAX_ROWS = 16  # the most rows `gemv_dot` takes: one tile of tl.dot's least height
@@ -35,24 +35,30 @@ def _load_x(x_at, x_mask, K, GATED: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                 PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, ROWS)
     m_mask = m < M
     dtype = x_ptr.dtype.element_ty
+    # the first K slice of the weight is loaded before the wait on the kernel before (PDL): the weights are
+    # not written by any kernel, so under PDL that load overlaps the previous kernel's end
+    k = tl.arange(0, BLOCK_K)
+    w = _load_w(w_ptr, n, k, n_mask, K, stride_wn)
+    pdl_wait(PDL)
+    x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
+                dtype).to(tl.float32)
     # products summed over K once, at the end; one row keeps a 2-D accumulator (the 3-D one, [1, BLOCK_N,
     # BLOCK_K], was the slower on an H200: bench/README.md)
     if ROWS == 1:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = w * x
     else:
-        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+        acc = x[:, None, :] * w[None, :, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & k_mask[None, :], K, GATED,
+        w = _load_w(w_ptr, n, k, n_mask, K, stride_wn)
+        x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
                     dtype).to(tl.float32)
         if ROWS == 1:
             acc2 += w * x
@@ -66,6 +72,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _load_w(w_ptr, n, k, n_mask, K, stride_wn):
+    """The weight's [BLOCK_N, BLOCK_K] slice in float32, streamed past the cache (each is read once a step)."""
+    return tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0,
+                   eviction_policy="evict_first").to(tl.float32)
 
 
 @triton.jit
@@ -114,7 +127,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
         ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, GATED=gated,
-        num_warps=warps)
+        num_warps=warps, **pdl_args(x.device))
     return y
 
 

@@ -7,7 +7,9 @@ per token and kv head, [num_blocks, block_size, Hk] (value = element * scale).
 - `paged_decode`: one query row per sequence, flash-decoding: the context is cut into `num_splits`
   ranges of key tiles, each program (sequence, kv head, split) attends all the query heads of its kv
   head's group at once (GQA: the group is the rows of one tile product) and writes its partial output
-  and log-sum-exp; a second kernel combines the splits.
+  and log-sum-exp; a second kernel combines the splits. The ranges are cut from the row's own context, so
+  a context shorter than `num_splits` ranges of tiles fills only the first ones: the others write nothing
+  and the combine reads only the filled ones (a CUDA graph fixes `num_splits` for the longest context).
 - `paged_prefill`: the prefill chunks of a step in one launch, each query tile (sequence, BLOCK_Q of its
   query rows, the group's heads folded into the rows) attending over the sequence's cached prefix and its
   own rows causally; a chunk of a long prompt and a prompt with prefix-cache hits are the same case.
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.common import interpreting
+from tokenmill.kernels.triton.common import interpreting, pdl_args, pdl_wait
 
 NEG = tl.constexpr(-1.0e30)  # the running max's start: finite, so that a row that sees nothing stays 0, not NaN
 
@@ -33,7 +35,8 @@ NEG = tl.constexpr(-1.0e30)  # the running max's start: finite, so that a row th
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_HK)
@@ -57,7 +60,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
                            v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                            BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=hk, HEAD_DIM=dim,
-                           BLOCK_HK=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(dim))
+                           BLOCK_HK=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(dim),
+                           **pdl_args(k.device))
 
 
 @triton.jit
@@ -122,59 +126,74 @@ def _decode_split_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_tb,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
-        WINDOW: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr):
+        WINDOW: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
     ctx = tl.load(lens_ptr + b)
-    hg = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + hg
-    q_mask = (hg[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    lo, first, per_split, active = _split_tiles(ctx, window, num_splits, TILE_N, WINDOW)
+    if split < active:  # the splits past the context's tiles write nothing; the reduce reads the active ones
+        hg = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        heads = kvh * GROUP + hg
+        q_mask = (hg[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        t0 = first + split * per_split
+        t1 = tl.minimum(t0 + per_split, tl.cdiv(ctx, TILE_N))
+        m_i = tl.full([BLOCK_H], NEG, tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for t in range(t0, t1):
+            pos = t * TILE_N + tl.arange(0, TILE_N)
+            valid = (pos < ctx) & (pos >= lo)
+            k, v = _tile_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, tables_ptr + b * stride_tb, pos, valid, kvh, d,
+                            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, BLOCK_SIZE, HEAD_DIM, QUANT)
+            s = _scores(q, k, scale, softcap, DOT_F32, SOFTCAP)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, q, DOT_F32)
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        if DIRECT:  # one split: the output itself
+            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), NEG)
+            row = (b * num_q_heads + heads) * num_splits + split
+            h_mask = hg < GROUP
+            tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=h_mask[:, None])
+            tl.store(part_lse_ptr + row, lse, mask=h_mask)
+
+
+@triton.jit
+def _split_tiles(ctx, window, num_splits, TILE_N: tl.constexpr, WINDOW: tl.constexpr):
+    """A decode row's key tiles cut into ranges: (the first position it attends, its first tile, tiles a
+    range, ranges that hold tiles). The ranges are as even as `num_splits` allows at this context, so a
+    short context fills fewer of them; a row with no keys has one range, which writes zeros."""
     lo = 0
     if WINDOW:
         lo = tl.maximum(ctx - window, 0)
     first = lo // TILE_N
-    per_split = tl.cdiv(tl.cdiv(ctx, TILE_N) - first, num_splits)
-    t0 = first + split * per_split
-    t1 = tl.minimum(t0 + per_split, tl.cdiv(ctx, TILE_N))
-    m_i = tl.full([BLOCK_H], NEG, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for t in range(t0, t1):
-        pos = t * TILE_N + tl.arange(0, TILE_N)
-        valid = (pos < ctx) & (pos >= lo)
-        k, v = _tile_kv(kc_ptr, vc_ptr, ks_ptr, vs_ptr, tables_ptr + b * stride_tb, pos, valid, kvh, d, stride_cb,
-                        stride_cs, stride_ch, stride_sb, stride_ss, BLOCK_SIZE, HEAD_DIM, QUANT)
-        s = _scores(q, k, scale, softcap, DOT_F32, SOFTCAP)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, q, DOT_F32)
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    if DIRECT:  # one split: the output itself
-        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=q_mask)
-    else:
-        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), NEG)
-        row = (b * num_q_heads + heads) * num_splits + split
-        h_mask = hg < GROUP
-        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=h_mask[:, None])
-        tl.store(part_lse_ptr + row, lse, mask=h_mask)
+    tiles = tl.cdiv(ctx, TILE_N) - first
+    per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
+    return lo, first, per_split, tl.maximum(tl.cdiv(tiles, per_split), 1)
 
 
 @triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_splits, window, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE_N: tl.constexpr,
+                          WINDOW: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * tl.num_programs(1) + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
+    _, _, _, active = _split_tiles(tl.load(lens_ptr + b), window, num_splits, TILE_N, WINDOW)
+    s_mask = s < active
     lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_mask, other=NEG)
     w = tl.where(s_mask, tl.exp(lse - tl.max(lse, 0)), 0.0)
     o = tl.load(part_out_ptr + (row * num_splits + s)[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None],
@@ -217,11 +236,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache.stride(2), stride_sb, stride_ss, tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, QUANT=quant, SOFTCAP=softcap is not None,
-        WINDOW=window is not None, DOT_F32=_dot_f32(q), DIRECT=direct)
+        WINDOW=window is not None, DOT_F32=_dot_f32(q), DIRECT=direct, **pdl_args(q.device))
     if not direct:
-        _decode_reduce_kernel[(batch, hq)](part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-                                           HEAD_DIM=dim, BLOCK_D=block_d,
-                                           BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
+        _decode_reduce_kernel[(batch, hq)](part_out, part_lse, lens, out, num_splits, window or 0, out.stride(0),
+                                           out.stride(1), HEAD_DIM=dim, BLOCK_D=block_d,
+                                           BLOCK_S=max(2, triton.next_power_of_2(num_splits)), TILE_N=tile_n,
+                                           WINDOW=window is not None, **pdl_args(q.device))
 
 
 @triton.jit
@@ -232,7 +252,8 @@ def _prefill_kernel(
         stride_tb,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, QUANT: tl.constexpr,
-        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr):
+        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.load(tile_seq_ptr + tile)
@@ -314,7 +335,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, G_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, HEAD_DIM=dim,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, QUANT=quant,
         SOFTCAP=softcap is not None, WINDOW=window is not None, DOT_F32=_dot_f32(q),
-        num_warps=8 if block_q * triton.next_power_of_2(group) >= 128 else 4)  # 128-row tiles: 8 warps hold them
+        num_warps=8 if block_q * triton.next_power_of_2(group) >= 128 else 4,  # 128-row tiles: 8 warps hold them
+        **pdl_args(q.device))
 
 
 def _scale_args(k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, unread: torch.Tensor,
