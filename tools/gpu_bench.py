@@ -2,7 +2,7 @@
 
     python3 tools/gpu_bench.py hf MODEL --batch-sizes 64,256 [--num-prompts 256 --input-len 32:512 --output-len 32:256]
     python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE --launch-ahead off
-                                             --gemv off --gated off --no-profiler]
+                                             --gemv off --gated off --no-profiler --replay N]
                                              [engine args: --attention-backend cuda ...]
 
 `hf`: transformers `generate` on the GPU over `tokenmill bench throughput`'s random workload (same seed, same
@@ -13,7 +13,9 @@ request's own max_tokens, as `bench throughput` does.
 `profile`: `batch` requests of 128-token prompts decoding `steps` tokens under the torch profiler (CUDA
 kernels are traced whichever thread launches them); the decode window's wall time per step against the
 time some GPU kernel was running (the union of kernel intervals), the rest being the GPU idle between
-kernels (CPU work: scheduling, input preparation, launches, host syncs). Prints one JSON line each."""
+kernels (CPU work: scheduling, input preparation, launches, host syncs). `--replay N` adds the GPU's time for
+the step's model forward alone (its CUDA graph replayed N times back to back), so that the step time's host
+share shows without the profiler. Prints one JSON line each."""
 
 from __future__ import annotations
 
@@ -114,11 +116,13 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
         wall_us = (time.perf_counter() - t) * 1e6
     steps = llm.engine.stats.num_steps - steps0
     config = llm.engine.config
+    replay_ms = graph_replay_ms(runner, args.batch, args.replay) if args.replay else None
     common = {"model": args.model, "attention_backend": config.attention_backend,
               "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
               "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0, "gemv": args.gemv,
               "gated": args.gated, "pdl": gpu_pdl(DEVICE),
               "batch": args.batch, "steps": steps, "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
+              "graph_replay_ms": replay_ms,
               "device": device_name()}
     if prof is None:
         return {"bench": "gpu-step-time", **common}
@@ -141,6 +145,29 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
             "median_kernel_us": round(statistics.median(e - s for s, e in kernels), 2) if kernels else None}
 
 
+def graph_replay_ms(runner: Any, batch: int, n: int) -> float | None:
+    """The GPU's time for one decode step's model forward alone: the batch's CUDA graph replayed n times back
+    to back (no host work between), over the inputs of the last step it ran. None without graphs."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None or DEVICE != "cuda":
+        return None
+    from tokenmill.worker.cuda_graphs import padded_size
+
+    size = padded_size(batch, graphs.sizes)
+    if size not in graphs.graphs:
+        return None
+    graph = graphs.graphs[size][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / n, 4)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -161,6 +188,8 @@ def main(argv: list[str]) -> int:
     pr.add_argument("--trace", help="write the profiler's Chrome trace to this file")
     pr.add_argument("--table-sort", default="self_cpu_time_total",
                     help="the table's order: self_cpu_time_total, or self_device_time_total for the GPU's kernels")
+    pr.add_argument("--replay", type=int, default=0, metavar="N",
+                    help="also time the batch's CUDA graph replayed N times back to back (graph_replay_ms)")
     pr.add_argument("--gemv", choices=("on", "off"), default="on",
                     help="off: decode batches through cuBLAS, not the Triton GEMV (triton backend), for an A/B")
     pr.add_argument("--gated", choices=("on", "off"), default="on",

@@ -19,7 +19,8 @@
 #                          CUDA-graph logic, the SDPA backend's (junit_golden.xml)
 #   roofline               the device's copy bandwidth (mem_copy_GBps) and bf16 matmul rate (8192^3)
 #   latency_b1_triton      batch-1 decode, MBU against that copy bandwidth: triton + graphs
-#   pdl_ab                 the same with programmatic dependent launch off (TOKENMILL_PDL=0), then on
+#   pdl_ab                 the same with programmatic dependent launch off (TOKENMILL_PDL=0), then on; the
+#                          step's graph replayed alone, off and on twice (gpu_bench.py --replay)
 #   throughput_256, hf_256 offline 256 requests (32:512 in, 32:256 out): tokenmill vs HF generate (batch 256, 64)
 #   throughput_b256_p1000  batch 256 with 1,000-token prompts: tokens/s and MFU
 #   prefill_8k             8 x 1,024-token prompts in one 8k-token step: prefill MFU
@@ -100,10 +101,13 @@ BENCH=(--model "$MODEL" --bandwidth "$COPY" --flops "$FLOPS" --device cuda --dty
 
 step latency_b1_triton 45 "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 256 \
     --runs 3 $(result latency_b1_triton)
-# programmatic dependent launch (kernels/triton/common.py): the same batch-1 run with it off, then on again
-step pdl_ab 90 sh -c "for p in 0 1; do TOKENMILL_PDL=\$p \"\$@\" --runs 3 --output-jsonl '$RESULTS' \
-    --result-name latency_b1_pdl\$p || exit; done" sh "${TM[@]}" bench latency "${BENCH[@]}" --batch-size 1 \
-    --input-len 128 --output-len 256
+# programmatic dependent launch (kernels/triton/common.py): the same batch-1 run with it off, then on again;
+# then off/on twice more in tools/gpu_bench.py, which also times the step's CUDA graph replayed back to back
+step pdl_ab 150 sh -c "for p in 0 1; do TOKENMILL_PDL=\$p \"\$@\" --runs 3 --output-jsonl '$RESULTS' \
+    --result-name latency_b1_pdl\$p || exit; done; for p in 0 1 0 1; do TOKENMILL_PDL=\$p '$PY' tools/gpu_bench.py \
+    profile --no-profiler --replay 512 --batch 1 --steps 256 --max-num-seqs 8 --dtype bfloat16 \
+    --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; done" sh "${TM[@]}" bench latency "${BENCH[@]}" \
+    --batch-size 1 --input-len 128 --output-len 256
 # the decode GEMV (kernels/triton/gemv.py): batch-1 decode with it off (cuBLAS) and on, back to back
 # (GPU_CHECK_AB_BATCHES: other batch sizes too); the GEMV against cuBLAS per projection shape of the 1.1B model (rows 1 to 8)
 # with a sweep of its tile configurations; the GPU kernels of a batch-1 step by their time (kernels_b1.txt)

@@ -65,10 +65,12 @@ def main() -> int:
                     dict(Q_HEADS=32, K_HEADS=4, HALF=32, BLOCK_QH=32, BLOCK_KH=4, BLOCK_HALF=32, PDL=True)),
     ]
     gemv_types = dict(x_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf)
-    ok += [compile_one(f"gemv rows={rows} block_n={block_n}{' gated' if gated else ''}", gv._gemv_kernel, gemv_types,
+    ok += [compile_one(f"gemv rows={rows} block_n={block_n}{' gated' if gated else ''}{' two' if two else ''}",
+                       gv._gemv_kernel, gemv_types,
                        dict(ROWS=rows, BLOCK_N=block_n, BLOCK_K=1024 if rows == 1 else 512, HAS_BIAS=not gated,
-                            GATED=gated, PDL=pdl))
-           for rows, block_n, gated, pdl in [(1, 2, False, True), (8, 2, False, False), (1, 1, True, True)]]
+                            GATED=gated, TWO=two, PDL=pdl))
+           for rows, block_n, gated, two, pdl in [(1, 2, False, True, True), (8, 2, False, False, False),
+                                                 (1, 1, True, True, True), (1, 2, False, False, True)]]
     ok += [compile_one(f"gemv_dot {dt}", gv._gemv_dot_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt,
                                                                    y_ptr="*" + dt),
                        dict(BLOCK_N=32, BLOCK_K=256, HAS_BIAS=True, GATED=True, DOT_F32=dt == "fp32"))

@@ -36,16 +36,18 @@ def _load_x(x_at, x_mask, K, GATED: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 PDL: tl.constexpr):
+                 TWO: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, ROWS)
     m_mask = m < M
     dtype = x_ptr.dtype.element_ty
-    # the first K slice of the weight is loaded before the wait on the kernel before (PDL): the weights are
-    # not written by any kernel, so under PDL that load overlaps the previous kernel's end
+    # the first K slice of the weight (the first two where K has more than one: TWO) is loaded before the wait
+    # on the kernel before (PDL): no kernel writes the weights, so under PDL those loads overlap that kernel's end
     k = tl.arange(0, BLOCK_K)
     w = _load_w(w_ptr, n, k, n_mask, K, stride_wn)
+    if TWO:
+        w1 = _load_w(w_ptr, n, BLOCK_K + k, n_mask, K, stride_wn)
     pdl_wait(PDL)
     x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
                 dtype).to(tl.float32)
@@ -55,7 +57,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc2 = w * x
     else:
         acc = x[:, None, :] * w[None, :, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if TWO:
+        k = BLOCK_K + tl.arange(0, BLOCK_K)
+        x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
+                    dtype).to(tl.float32)
+        if ROWS == 1:
+            acc2 += w1 * x
+        else:
+            acc += x[:, None, :] * w1[None, :, :]
+    for k0 in range(BLOCK_K * (2 if TWO else 1), K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_ptr, n, k, n_mask, K, stride_wn)
         x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
@@ -127,7 +137,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
         ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, GATED=gated,
-        num_warps=warps, **pdl_args(x.device))
+        TWO=k > block_k, num_warps=warps, **pdl_args(x.device))
     return y
 
 
