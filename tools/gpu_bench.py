@@ -2,7 +2,8 @@
 
     python3 tools/gpu_bench.py hf MODEL --batch-sizes 64,256 [--num-prompts 256 --input-len 32:512 --output-len 32:256]
     python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE --launch-ahead off
-                                             --gemv off --gated off --no-profiler --replay N]
+                                             --gemv off --gated off --gemv-config N,K,W
+                                             --no-profiler --replay N]
                                              [engine args: --attention-backend cuda ...]
 
 `hf`: transformers `generate` on the GPU over `tokenmill bench throughput`'s random workload (same seed, same
@@ -97,6 +98,11 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
         from tokenmill.kernels.triton.gemv import TritonGemv
 
         TritonGemv.gated_gemv = None
+    if args.gemv_config:  # the GEMV's tiles for every shape (BLOCK_N, BLOCK_K, num_warps), for a sweep in the engine
+        import tokenmill.kernels.triton.gemv as gemv_module
+
+        tiles = tuple(int(v) for v in args.gemv_config.split(","))
+        gemv_module.gemv_config = lambda rows, n, k: tiles  # type: ignore[assignment]
     llm = LLM(model=args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
     runner = llm.engine.core.executor.worker.model_runner
     if args.launch_ahead == "off":  # the worker thread runs every step (the A/B of ModelRunner.launch)
@@ -120,7 +126,7 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     common = {"model": args.model, "attention_backend": config.attention_backend,
               "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
               "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0, "gemv": args.gemv,
-              "gated": args.gated, "pdl": gpu_pdl(DEVICE),
+              "gated": args.gated, "pdl": gpu_pdl(DEVICE), "gemv_config": args.gemv_config,
               "batch": args.batch, "steps": steps, "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
               "graph_replay_ms": replay_ms,
               "device": device_name()}
@@ -192,6 +198,8 @@ def main(argv: list[str]) -> int:
                     help="also time the batch's CUDA graph replayed N times back to back (graph_replay_ms)")
     pr.add_argument("--gemv", choices=("on", "off"), default="on",
                     help="off: decode batches through cuBLAS, not the Triton GEMV (triton backend), for an A/B")
+    pr.add_argument("--gemv-config", metavar="BLOCK_N,BLOCK_K,WARPS",
+                    help="the Triton GEMV's tiles for every shape instead of gemv_config's, for a sweep")
     pr.add_argument("--gated", choices=("on", "off"), default="on",
                     help="off: SiLU-and-mul as its own kernel before the down projection's GEMV, for an A/B")
     EngineArgs.add_cli_args(pr)

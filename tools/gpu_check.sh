@@ -30,6 +30,7 @@
 #   gemv_ab                decode step time at batch 1, the Triton GEMV off (cuBLAS) and on (no profiler)
 #   gated_ab               batch-1 decode step time, SiLU-and-mul in the down projection's GEMV off and on
 #   gemv_bench             tools/gemv_bench.py --sweep (or GPU_CHECK_GEMV_BENCH): the GEMV vs cuBLAS per shape, rows 1-8
+#   gemv_tune              batch-1 graph replay over GEMV tiles and the gated form; batch 64 with PDL off and on
 #   kernels_b1             the GPU kernels of a batch-1 decode step by their time (kernels_b1.txt)
 #   kernels                the Triton kernels' tests on the GPU (junit_kernels.xml)
 set -u
@@ -117,6 +118,17 @@ step gemv_ab 100 sh -c "for b in ${GPU_CHECK_AB_BATCHES:-1}; do for g in off on;
 step gated_ab 60 sh -c "for g in off on; do '$PY' tools/gpu_bench.py profile --no-profiler --gated \$g --batch 1 \
     --steps 256 --max-num-seqs 8 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; done"
 step gemv_bench 120 sh -c "'$PY' tools/gemv_bench.py ${GPU_CHECK_GEMV_BENCH:---sweep} >> '$RESULTS'"
+# batch-1 decode's CUDA graph replayed alone (gpu_bench.py --replay) with the GEMV's tiles and the gated form
+# varied (GPU_CHECK_TUNE: one set of gpu_bench options a line), then at batch 64 with PDL off and on
+step gemv_tune 150 sh -c "printf '%s\n' \"\${GPU_CHECK_TUNE:---gated on
+--gated off
+--gemv-config 4,1024,4
+--gemv-config 4,1024,8
+--gemv-config 2,2048,8
+--gemv-config 1,2048,4}\" | while read -r opts; do '$PY' tools/gpu_bench.py profile --no-profiler --replay 512 \
+    --batch 1 --steps 64 --max-num-seqs 8 --dtype bfloat16 --kv-cache-memory 16GiB \$opts '$MODEL' >> '$RESULTS' \
+    || exit; done; for p in 0 1; do TOKENMILL_PDL=\$p '$PY' tools/gpu_bench.py profile --no-profiler --replay 256 \
+    --batch 64 --steps 32 --max-num-seqs 64 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; done"
 step kernels_b1 40 sh -c "'$PY' tools/gpu_bench.py profile --batch 1 --steps 64 --max-num-seqs 8 --dtype bfloat16 \
     --kv-cache-memory 16GiB --table '$OUT/kernels_b1.txt' --table-sort self_device_time_total '$MODEL' >> '$RESULTS'"
 step throughput_256 60 "${TM[@]}" bench throughput "${BENCH[@]}" --num-prompts 256 --input-len 32:512 \
