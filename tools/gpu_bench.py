@@ -2,7 +2,7 @@
 
     python3 tools/gpu_bench.py hf MODEL --batch-sizes 64,256 [--num-prompts 256 --input-len 32:512 --output-len 32:256]
     python3 tools/gpu_bench.py profile MODEL [--batch 64 --steps 32 --table FILE --trace FILE --launch-ahead off
-                                             --gemv off --gated off --gemv-config N,K,W
+                                             --gemv off --gated on --gemv-config N,K,W
                                              --no-profiler --replay N]
                                              [engine args: --attention-backend cuda ...]
 
@@ -94,10 +94,10 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
         import tokenmill.worker.worker as worker_module
 
         worker_module.use_triton_gemv = lambda model, ops: 0
-    if args.gated == "off":  # the down projection after a separate SiLU-and-mul kernel (LinearBase.gated_forward)
-        from tokenmill.kernels.triton.gemv import TritonGemv
+    if args.gated == "on":  # SiLU-and-mul in the down projection's GEMV (LinearBase.gated_forward), not offered
+        from tokenmill.kernels.triton.gemv import TritonGemv, gated_gemv  # by default
 
-        TritonGemv.gated_gemv = None
+        TritonGemv.gated_gemv = staticmethod(gated_gemv)
     if args.gemv_config:  # the GEMV's tiles for every shape (BLOCK_N, BLOCK_K, num_warps), for a sweep in the engine
         import tokenmill.kernels.triton.gemv as gemv_module
 
@@ -200,8 +200,9 @@ def main(argv: list[str]) -> int:
                     help="off: decode batches through cuBLAS, not the Triton GEMV (triton backend), for an A/B")
     pr.add_argument("--gemv-config", metavar="BLOCK_N,BLOCK_K,WARPS",
                     help="the Triton GEMV's tiles for every shape instead of gemv_config's, for a sweep")
-    pr.add_argument("--gated", choices=("on", "off"), default="on",
-                    help="off: SiLU-and-mul as its own kernel before the down projection's GEMV, for an A/B")
+    pr.add_argument("--gated", choices=("on", "off"), default="off",
+                    help="on: SiLU-and-mul in the down projection's GEMV, not as its own kernel before it (the "
+                         "layers' default), for an A/B")
     EngineArgs.add_cli_args(pr)
     pr.add_argument("model")
     args = p.parse_args(argv)

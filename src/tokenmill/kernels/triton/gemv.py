@@ -6,11 +6,13 @@ these shapes read them at well under the device's bandwidth (bench/README.md, "T
 program here owns BLOCK_N output features and streams their rows over K in BLOCK_K slices, accumulating in
 float32 elementwise and reducing over K once at the end; nothing is split over K, so there is no second reduce
 kernel. `gated`: x is a fused gate/up projection's output [M, 2K] and the kernel multiplies
-silu(gate) * up, rounded as `SiluAndMul`'s fused op rounds it, so the MLP's down projection needs no separate
-activation kernel. `gemv_dot` takes up to 16 rows as tile products (tensor cores), for decode batches of 2-16
+silu(gate) * up, rounded as `SiluAndMul`'s fused op rounds it (the layers do not take that form: see
+`TritonGemv`). `gemv_dot` takes up to 16 rows as tile products (tensor cores), for decode batches of 2-16
 where this GEMV loses to cuBLAS; the layers do not take it yet (tools/gemv_bench.py times it)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -168,18 +170,24 @@ def _check(x: torch.Tensor, weight: torch.Tensor, gated: bool, max_rows: int) ->
     return rows, n, k
 
 
+def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The down projection with SiLU-and-mul in front, in the form `LinearBase.gated_forward` takes."""
+    return gemv(gate_up, weight, bias, gated=True)
+
+
 class TritonGemv:
     """The GEMV in the form `UnquantizedLinearMethod` takes a decode kernel (`LinearBase.gemv_ops`):
-    `packed_gemv(rows, weight, bias)` over the layer's weight as it holds it (row-major on a GPU), and
-    `gated_gemv`, the down projection's with SiLU-and-mul in front (`LinearBase.gated_forward`)."""
+    `packed_gemv(rows, weight, bias)` over the layer's weight as it holds it (row-major on a GPU).
+
+    `gated_gemv` (the down projection's GEMV with SiLU-and-mul in front, `LinearBase.gated_forward`) is not
+    offered: in the engine's batch-1 step it was slower than a separate SiLU-and-mul kernel before the plain
+    GEMV (bench/README.md); tools/gpu_bench.py --gated on sets it to the module's `gated_gemv` for an A/B."""
+
+    gated_gemv: Any = None
 
     @staticmethod
     def packed_gemv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gemv(rows, weight, bias)
-
-    @staticmethod
-    def gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return gemv(gate_up, weight, bias, gated=True)
 
     @staticmethod
     def packed_gemv_max_rows(input_size: int) -> int:
