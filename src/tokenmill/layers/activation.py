@@ -14,10 +14,11 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Any = None  # tokenmill's C++ CPU kernels, once use_cpu_kernels sets them
+        self.fused_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)  # the activations `ops` takes
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, gate and up the two halves of the last dimension."""
-        if self.ops is not None and gate_up.dtype == torch.bfloat16:
+        if self.ops is not None and gate_up.dtype in self.fused_dtypes:
             out: torch.Tensor = self.ops.silu_and_mul(gate_up)
             return out
         gate, up = gate_up.chunk(2, dim=-1)

@@ -1,8 +1,8 @@
 """RMSNorm computed in float32, as the HF reference does; optionally fused with the residual add.
 Gemma's (1 + weight) variant beside it.
 
-With `ops` set (tokenmill's C++ CPU kernels) bf16 rows take one fused pass; everything else runs
-the reference torch code, which the fused op is tested against."""
+With `ops` set (tokenmill's C++ CPU kernels, or the Triton ones) rows of its `fused_dtypes` take one fused
+pass; everything else runs the reference torch code, which the fused op is tested against."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.ops: Any = None
+        self.fused_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)  # the activations `ops` takes
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
-        if self.ops is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
+        if self.ops is not None and x.dtype in self.fused_dtypes and x.dim() == 2 and x.is_contiguous():
             if residual is None:
                 return self.ops.rms_norm(x, self.weight, self.eps, None)
             return self.ops.rms_norm(x, self.weight, self.eps, residual), residual

@@ -53,6 +53,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rot_dim = int(head_dim * rope.partial_rotary_factor)
         self.ops = None  # tokenmill's C++ CPU kernels (or the Triton ones), once use_cpu_kernels sets them
+        self.fused_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)  # the activations `ops` takes
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None]
         freqs = positions * inv_frequencies(self.rot_dim, rope)[None, :]
         if rope.rope_type == "longrope":
@@ -77,7 +78,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated (in place on the fused path)."""
-        if self.ops is not None and q.dtype == torch.bfloat16 and self.rot_dim == q.shape[-1]:
+        if self.ops is not None and q.dtype in self.fused_dtypes and self.rot_dim == q.shape[-1]:
             if self._rotary_qk is not None:  # (the Triton ops: one launch)
                 self._rotary_qk(q, k, positions, self.cos_cache, self.sin_cache)
                 return q, k

@@ -65,13 +65,18 @@ class Worker:
 
     def load_model(self) -> None:
         """The checkpoint into this device's model; on a bf16 CPU with tokenmill's C++ kernels built,
-        the linear layers, elementwise layers and attention take them."""
+        the linear layers, elementwise layers and attention take them; on a float32 CPU model, the elementwise
+        layers."""
         cfg = self.config
         use_ops = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.device.cpu_kernels
         self.ops: Any = load_cpu_kernels() if use_ops else None
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
                                      self._linear_method(), self.tp, self.pp)
         use_cpu_kernels(self.model, self.ops)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cfg.device.cpu_kernels:
+            kernels = load_cpu_kernels()  # the fused norms, rotary and SiLU-and-mul take float32 rows too
+            if kernels is not None:
+                use_cpu_kernels(self.model, kernels, dtypes=(torch.float32,))
         if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers, the GEMV
             from tokenmill.kernels.triton.elementwise import TritonOps
             from tokenmill.kernels.triton.gemv import TritonGemv

@@ -1,6 +1,6 @@
-"""The fused bf16 C++ elementwise ops (kernels/cpu/elementwise) against the torch reference path they
-replace, and a bf16 model run with and without the C++ kernels (vLLM's rule where float order differs:
-each token in the other's top-k)."""
+"""The fused C++ elementwise ops (kernels/cpu/elementwise), bf16 and float32, against the torch reference path
+they replace, and a bf16 model run with and without the C++ kernels (vLLM's rule where float order differs:
+each token in the other's top-k); a float32 model's layers take them too."""
 
 from __future__ import annotations
 
@@ -57,6 +57,50 @@ def test_rotary_in_place_on_strided_views(theta: float) -> None:
     torch.testing.assert_close(got_q, exp_q, atol=ULP, rtol=ULP)
     torch.testing.assert_close(got_k, exp_k, atol=ULP, rtol=ULP)
     assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_float32(residual: bool) -> None:
+    torch.manual_seed(3)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data.normal_(1.0, 0.2)
+    x, res = torch.randn(37, 96) * 3, torch.randn(37, 96)
+    expected = norm(x, res.clone()) if residual else norm(x)
+    norm.ops, norm.fused_dtypes = OPS, (torch.float32,)
+    got = norm(x, res.clone()) if residual else norm(x)
+    if residual:
+        torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)  # x + residual, the same float add
+        got, expected = got[0], expected[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_and_mul_float32() -> None:
+    x = torch.randn(19, 2 * 160) * 4
+    gate, up = x.split(160, dim=-1)
+    torch.testing.assert_close(OPS.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_float32_in_place() -> None:
+    rope = RotaryEmbedding(64, 512, RopeConfig(theta=10000.0), torch.float32)
+    qkv = torch.randn(23, 12 * 64)
+    q, k = qkv[:, : 8 * 64].view(23, 8, 64), qkv[:, 8 * 64: 10 * 64].view(23, 2, 64)
+    positions = torch.randint(0, 512, (23,))
+    exp_q, exp_k = rope(positions, q.clone(), k.clone())
+    rope.ops, rope.fused_dtypes = OPS, (torch.float32,)
+    got_q, got_k = rope(positions, q, k)
+    torch.testing.assert_close(got_q, exp_q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_k, exp_k, atol=1e-6, rtol=1e-5)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+
+
+def test_float32_model_takes_the_fused_ops(llama_dir: str) -> None:
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="4MiB")
+    model = llm.engine.core.executor.worker.model
+    taken = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding)) and m.ops is not None]
+    assert taken and all(m.fused_dtypes == (torch.float32,) for m in taken)
+    off = LLM(llama_dir, dtype="float32", kv_cache_memory="4MiB", cpu_kernels=False)
+    assert all(m.ops is None for m in off.engine.core.executor.worker.model.modules()
+               if isinstance(m, (RMSNorm, RotaryEmbedding)))
 
 
 def test_bf16_model_with_and_without_kernels(llama_dir: str) -> None:

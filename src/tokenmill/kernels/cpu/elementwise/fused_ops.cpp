@@ -1,6 +1,7 @@
-// Fused elementwise ops for bfloat16 on CPUs, each one pass over memory instead of the several
-// kernels (and float32 temporaries) the torch reference path launches. Rounding follows the
-// reference: float32 arithmetic, rounded to bfloat16 where the reference stores a bfloat16.
+// Fused elementwise ops for bfloat16 and float32 rows on CPUs, each one pass over memory instead of the
+// several kernels (and float32 temporaries) the torch reference path launches. Rounding follows the
+// reference: float32 arithmetic, rounded to the rows' dtype where the reference stores one (for float32
+// rows those roundings are nothing).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,27 +15,48 @@
 
 namespace tokenmill {
 
-void rotary_rows(uint16_t* xp, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh, const int64_t* pp,
-                 const uint16_t* cp, const uint16_t* sp) {
+// An element type's loads and stores as float32, and the reference's rounding to it.
+struct Bf16Rows {
+  using T = uint16_t;
+  static float load(T v) { return bf16_bits_to_f32(v); }
+  static T store(float f) { return f32_to_bf16_bits(f); }
+  static float round(float f) { return bf16_bits_to_f32(f32_to_bf16_bits(f)); }
+};
+
+struct F32Rows {
+  using T = float;
+  static float load(T v) { return v; }
+  static T store(float f) { return f; }
+  static float round(float f) { return f; }
+};
+
+template <typename E>
+void rotary_rows_of(typename E::T* xp, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh,
+                    const int64_t* pp, const typename E::T* cp, const typename E::T* sp) {
+  using T = typename E::T;
   const int64_t half = d / 2;
-  auto r16 = [](float f) { return bf16_bits_to_f32(f32_to_bf16_bits(f)); };
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const uint16_t* c = cp + pp[i] * d;
-      const uint16_t* s = sp + pp[i] * d;
+      const T* c = cp + pp[i] * d;
+      const T* s = sp + pp[i] * d;
       for (int64_t hh = 0; hh < heads; ++hh) {
-        uint16_t* v = xp + i * st + hh * sh;
+        T* v = xp + i * st + hh * sh;
 #pragma omp simd
         for (int64_t j = 0; j < half; ++j) {
-          const float a = bf16_bits_to_f32(v[j]), b = bf16_bits_to_f32(v[j + half]);
-          const float lo = r16(a * bf16_bits_to_f32(c[j])) + r16(-b * bf16_bits_to_f32(s[j]));
-          const float hi = r16(b * bf16_bits_to_f32(c[j + half])) + r16(a * bf16_bits_to_f32(s[j + half]));
-          v[j] = f32_to_bf16_bits(lo);
-          v[j + half] = f32_to_bf16_bits(hi);
+          const float a = E::load(v[j]), b = E::load(v[j + half]);
+          const float lo = E::round(a * E::load(c[j])) + E::round(-b * E::load(s[j]));
+          const float hi = E::round(b * E::load(c[j + half])) + E::round(a * E::load(s[j + half]));
+          v[j] = E::store(lo);
+          v[j + half] = E::store(hi);
         }
       }
     }
   });
+}
+
+void rotary_rows(uint16_t* xp, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh, const int64_t* pp,
+                 const uint16_t* cp, const uint16_t* sp) {
+  rotary_rows_of<Bf16Rows>(xp, t, heads, d, st, sh, pp, cp, sp);
 }
 
 void write_kv_rows(const char* kp, const char* vp, int64_t k_stride, int64_t v_stride, char* kc, char* vc,
@@ -54,77 +76,116 @@ using bf16 = at::BFloat16;
 using tokenmill::bf16_bits_to_f32;
 using tokenmill::exp_approx;
 using tokenmill::f32_to_bf16_bits;
+using tokenmill::Bf16Rows;
+using tokenmill::F32Rows;
+using tokenmill::rotary_rows_of;
 
+template <typename E>
+typename E::T* rows_of(const at::Tensor& x) {
+  return reinterpret_cast<typename E::T*>(x.data_ptr());
+}
 
 void check_rows(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, what, ": needs bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, what,
+              ": needs bfloat16 or float32");
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2, what, ": needs a contiguous 2-D tensor");
 }
 
-// out = weight * bf16(x / rms(x)); with residual: residual = bf16(x + residual) first, in place,
-// and the norm is taken of the new residual. Returns out.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                    const c10::optional<at::Tensor>& residual) {
-  check_rows(x, "rms_norm");
+void check_same_dtype(const at::Tensor& x, const at::Tensor& y, const char* what) {
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.is_contiguous(), what, ": dtypes differ or not contiguous");
+}
+
+template <typename E>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& residual,
+                   at::Tensor& out) {
+  using T = typename E::T;
   const int64_t rows = x.size(0), h = x.size(1);
-  auto out = at::empty_like(x);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<bf16>());
-  uint16_t* rp = residual.has_value() ? reinterpret_cast<uint16_t*>(residual->data_ptr<bf16>()) : nullptr;
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
+  const T* xp = rows_of<E>(x);
+  const T* wp = rows_of<E>(weight);
+  T* rp = residual.has_value() ? rows_of<E>(*residual) : nullptr;
+  T* op = rows_of<E>(out);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* src = xp + r * h;
+      const T* src = xp + r * h;
       if (rp != nullptr) {
-        uint16_t* res = rp + r * h;
+        T* res = rp + r * h;
 #pragma omp simd
-        for (int64_t i = 0; i < h; ++i) res[i] = f32_to_bf16_bits(bf16_bits_to_f32(src[i]) + bf16_bits_to_f32(res[i]));
+        for (int64_t i = 0; i < h; ++i) res[i] = E::store(E::load(src[i]) + E::load(res[i]));
         src = res;
       }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < h; ++i) ss += bf16_bits_to_f32(src[i]) * bf16_bits_to_f32(src[i]);
+      for (int64_t i = 0; i < h; ++i) ss += E::load(src[i]) * E::load(src[i]);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-      uint16_t* o = op + r * h;
+      T* o = op + r * h;
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) {
-        const float normed = bf16_bits_to_f32(f32_to_bf16_bits(bf16_bits_to_f32(src[i]) * inv));
-        o[i] = f32_to_bf16_bits(bf16_bits_to_f32(wp[i]) * normed);
-      }
+      for (int64_t i = 0; i < h; ++i) o[i] = E::store(E::load(wp[i]) * E::round(E::load(src[i]) * inv));
     }
   });
+}
+
+// out = weight * round(x / rms(x)); with residual: residual = round(x + residual) first, in place,
+// and the norm is taken of the new residual. Returns out.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& residual) {
+  check_rows(x, "rms_norm");
+  check_same_dtype(x, weight, "rms_norm weight");
+  if (residual.has_value()) check_same_dtype(x, *residual, "rms_norm residual");
+  auto out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows<F32Rows>(x, weight, eps, residual, out);
+  } else {
+    rms_norm_rows<Bf16Rows>(x, weight, eps, residual, out);
+  }
   return out;
 }
 
-// [T, 2I] -> [T, I]: bf16(silu(gate)) * up
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "silu_and_mul");
+template <typename E>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  using T = typename E::T;
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
-  auto out = at::empty({rows, inter}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
+  const T* xp = rows_of<E>(x);
+  T* op = rows_of<E>(out);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* g = xp + r * 2 * inter;
-      const uint16_t* u = g + inter;
-      uint16_t* o = op + r * inter;
+      const T* g = xp + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
-        const float gv = bf16_bits_to_f32(g[i]);
-        const float silu = bf16_bits_to_f32(f32_to_bf16_bits(gv / (1.f + exp_approx(-gv))));
-        o[i] = f32_to_bf16_bits(silu * bf16_bits_to_f32(u[i]));
+        const float gv = E::load(g[i]);
+        const float silu = E::round(gv / (1.f + exp_approx(-gv)));
+        o[i] = E::store(silu * E::load(u[i]));
       }
     }
   });
+}
+
+// [T, 2I] -> [T, I]: round(silu(gate)) * up
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    silu_and_mul_rows<F32Rows>(x, out);
+  } else {
+    silu_and_mul_rows<Bf16Rows>(x, out);
+  }
   return out;
 }
 
-// In place on x [T, H, D] (any row stride): x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)),
-// cos/sin [P, D] indexed by positions [T].
+// In place on x [T, H, D] (any row stride): x = round(round(x * cos) + round(rotate_half(x) * sin)),
+// cos/sin [P, D] of x's dtype indexed by positions [T].
 void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1, "rotary: bad x");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(), "rotary: cos/sin");
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 3 && x.stride(2) == 1,
+              "rotary: bad x");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() && cos.is_contiguous() &&
+                  sin.is_contiguous(), "rotary: cos/sin");
   auto pos = positions.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    rotary_rows_of<F32Rows>(x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1),
+                            pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
+    return;
+  }
   tokenmill::rotary_rows(reinterpret_cast<uint16_t*>(x.data_ptr<bf16>()), x.size(0), x.size(1), x.size(2),
                          x.stride(0), x.stride(1), pos.data_ptr<int64_t>(),
                          reinterpret_cast<const uint16_t*>(cos.data_ptr<bf16>()),
