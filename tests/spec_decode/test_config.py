@@ -130,6 +130,37 @@ def test_the_cost_gate_proposes_where_drafted_steps_take_more_tokens_a_second(sp
     assert decoder.gate is not None and decoder.gate.buckets[2].plain.steps == 0
 
 
+def test_the_cost_gate_leaves_out_a_proposers_catch_up() -> None:
+    """A proposer that spent 3 of its 4 s catching its model up on unseen tokens: the drafted step's cost the
+    gate measures is the 1 s of drafting."""
+    now = [0.0]
+
+    class CatchingUp(Always):
+        catchup_s = 0.0
+
+        def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+            now[0] += 4.0
+            self.catchup_s = 3.0
+            return super().propose(batch)
+
+    decoder = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=2), CatchingUp(),
+                          clock=lambda: now[0])
+    assert decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [1], step_s=1.0))
+    assert decoder.propose_s == 1.0
+
+
+def test_the_draft_model_reports_its_catch_up(llama_dir: str, draft_dir: str) -> None:
+    """The draft's first proposal for a request feeds it the whole prompt: part of that proposal's time is
+    catch-up; a proposal whose feeds are one token each has none."""
+    cfg = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", speculative_config=cfg)
+    proposer = llm.engine.core.executor.worker.model_runner.proposer.proposer
+    tokens = list(range(5, 60))
+    assert proposer.propose(ProposalInput(["r"], [tokens], [len(tokens)], step_s=None)) and proposer.catchup_s > 0
+    drafts = proposer.propose(ProposalInput(["s"], [[7]], [1], step_s=None))
+    assert drafts and proposer.catchup_s == 0.0
+
+
 def test_a_large_batch_proposes_nothing(llama_dir: str) -> None:
     llm = LLM(llama_dir, dtype="float32", num_threads=1, kv_cache_memory="16MiB",
               speculative_config={"method": "lookahead", "num_speculative_tokens": 3, "max_batch_size": 4})

@@ -12,9 +12,12 @@ bound by compute (large ones): every draft is a row the target computes. Per ste
 
 On top of that, a measured gate (`CostGate`) per batch size (its power of two): the tokens a second
 of steps that verified drafts (the step's time, plus the proposing that drafted them) against steps that
-did not. Where proposing is measured slower, the method proposes nothing in that bucket, with one
-step in GATE_PROBE_EVERY spent on the other mode so that its estimate can recover. Steps with
-prefill rows are not measured.
+did not. A proposer that runs a model of its own reports the part of its proposing spent catching that model
+up on tokens it has not seen (`catchup_s`: after steps without drafts, a request's new tokens); the gate leaves
+it out, since it is paid once when proposing resumes, not in every drafted step, and counting it would hold
+the gate on the plain side after every probe. Where proposing is measured slower, the method proposes
+nothing in that bucket, with one step in GATE_PROBE_EVERY spent on the other mode so that its estimate can
+recover. Steps with prefill rows are not measured.
 
 A request with a reference text (SamplingParams.prediction_token_ids, from OpenAI's `prediction`) is
 drafted from it by prompt lookup, whatever the configured method and without the rule."""
@@ -144,7 +147,8 @@ class SpecDecoder:
         try:
             return self._propose(batch)
         finally:
-            self.propose_s = self.clock() - start
+            catchup = getattr(self.proposer, "catchup_s", 0.0) if self.proposer is not None else 0.0
+            self.propose_s = max(0.0, self.clock() - start - catchup)
 
     def _propose(self, batch: ProposalInput) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

@@ -16,6 +16,7 @@ without the fused path, runs the model's layer path."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,9 @@ class DraftModelProposer:
         self.blocks = DraftBlocks(kv_config.num_blocks, kv_config.block_size)
         self.states: dict[str, _DraftSeq] = {}
         self.draft_probs: dict[str, torch.Tensor] = {}  # [drafts, vocab] q of the random requests' drafts
+        # of the last propose(), the seconds its first forward took beyond a one-token one: feeding the draft
+        # the tokens it had not seen (adaptive.SpecDecoder leaves them out of the drafted steps' cost)
+        self.catchup_s = 0.0
 
     @classmethod
     def load(cls, spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
@@ -86,8 +90,12 @@ class DraftModelProposer:
         cfg = ctx.engine_config
         arch = load_arch_config(spec.model)
         dtype = TORCH_DTYPES[cfg.model.dtype]
-        model = load_model(spec.model, arch, dtype, ctx.device, UnquantizedLinearMethod(ctx.ops))
-        use_cpu_kernels(model, ctx.ops)
+        method = ctx.linear_method() if ctx.linear_method is not None else UnquantizedLinearMethod(ctx.ops)
+        model = load_model(spec.model, arch, dtype, ctx.device, method)
+        if ctx.fuse_elementwise is not None:
+            ctx.fuse_elementwise(model)
+        else:
+            use_cpu_kernels(model, ctx.ops)
         backend = get_backend(cfg.attention_backend)
         layers = attention_layers(model)
         specs = {name: layer.kv_cache_spec(cfg.cache.block_size, cfg.model.dtype) for name, layer in layers.items()}
@@ -139,11 +147,15 @@ class DraftModelProposer:
             feeds.append(list(tokens[keep:]))
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in active}
         probs: dict[str, list[torch.Tensor]] = {}
+        catching_up = any(len(feed) > 1 for feed in feeds)
+        times: list[float] = []
         for _ in range(max((k for _, _, k, _ in active), default=0)):
             if not active:
                 break
             greedy = all(params is None or params.greedy for *_, params in active)
+            start = time.perf_counter()
             out = self._forward([st for _, st, _, _ in active], feeds, greedy)
+            times.append(time.perf_counter() - start)
             nxt: list[tuple[str, _DraftSeq, int, SamplingParams | None]] = []
             feeds = []
             for row, (rid, st, k, params) in enumerate(active):
@@ -159,6 +171,9 @@ class DraftModelProposer:
         for rid, rows in probs.items():
             if rows:
                 self.draft_probs[rid] = torch.stack(rows)
+        # the catch-up: the first forward's time beyond the one-token forwards after it (none: nothing to
+        # compare with, so nothing is set apart)
+        self.catchup_s = max(0.0, times[0] - min(times[1:])) if catching_up and len(times) > 1 else 0.0
         return {rid: d for rid, d in drafts.items() if d}
 
     def _forward(self, states: list[_DraftSeq], feeds: list[list[int]], greedy: bool) -> torch.Tensor:

@@ -41,6 +41,11 @@ class ProposerContext:
     # (model, ops, backend) -> that model's fused decode path or None (worker.fused_decode.FusedDecode.create),
     # for a proposer that runs a model of its own; None: no fused path
     fused_decode: Callable[[Any, Any, Any], Any] | None = None
+    # a fresh unquantized LinearMethod as the target's float layers take it (bf16-stored weights on an AVX2 CPU),
+    # and (model) -> None routing a model's elementwise layers through the fused ops the target's take; None:
+    # UnquantizedLinearMethod(ops) and use_cpu_kernels(model, ops)
+    linear_method: Callable[[], Any] | None = None
+    fuse_elementwise: Callable[[Any], None] | None = None
 
 
 class Proposer(Protocol):

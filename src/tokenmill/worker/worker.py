@@ -72,11 +72,7 @@ class Worker:
         self.ops: Any = load_cpu_kernels() if use_ops else None
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
                                      self._linear_method(), self.tp, self.pp)
-        use_cpu_kernels(self.model, self.ops)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and cfg.device.cpu_kernels:
-            kernels = load_cpu_kernels()  # the fused norms, rotary and SiLU-and-mul take float32 rows too
-            if kernels is not None:
-                use_cpu_kernels(self.model, kernels, dtypes=(torch.float32,))
+        self._fuse_elementwise(self.model)
         if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers, the GEMV
             from tokenmill.kernels.triton.elementwise import TritonOps
             from tokenmill.kernels.triton.gemv import TritonGemv
@@ -87,18 +83,32 @@ class Worker:
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_cache_dtype, cfg.model.dtype)
         check_kv_cache_dtype(self.backend, self.kv_dtype)
 
-    def _linear_method(self) -> LinearMethod:
-        """The checkpoint's quantized method (whose kernels take fp32 too), or the float one."""
-        quant = self.config.model.quantization
-        if quant is None and self.config.model.linear_weight_dtype == "bfloat16":  # (an AVX2 CPU, float32 model)
+    def _fuse_elementwise(self, model: Any) -> None:
+        """A model's norms, rotary and SiLU-and-mul through the C++ fused ops on a CPU: bf16 activations with
+        the worker's ops, float32 ones (the fused ops take those too) where the model runs in float32."""
+        use_cpu_kernels(model, self.ops)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.config.device.cpu_kernels:
+            kernels = load_cpu_kernels()
+            if kernels is not None:
+                use_cpu_kernels(model, kernels, dtypes=(torch.float32,))
+
+    def _float_linear_method(self) -> LinearMethod:
+        """The unquantized method for this worker's models: on an AVX2 CPU running a bf16 checkpoint in
+        float32 (ModelConfig.linear_weight_dtype), weights kept in bf16 and widened by the C++ GEMV."""
+        if self.config.model.linear_weight_dtype == "bfloat16":
             kernels = load_cpu_kernels()
             if kernels is not None and int(kernels.bf16w_gemv_max_rows()) > 0:
                 return UnquantizedLinearMethod(self.ops, weight_dtype=torch.bfloat16, widen_ops=kernels)
             # without the C++ GEMV every decode step would widen every weight: float32 weights run faster
             # (the byte counts of ModelCost still take the weights as bf16)
             logger.warning("the C++ bf16 GEMV is not built here: the linear layers keep float32 weights")
+        return UnquantizedLinearMethod(self.ops)
+
+    def _linear_method(self) -> LinearMethod:
+        """The checkpoint's quantized method (whose kernels take fp32 too), or the float one."""
+        quant = self.config.model.quantization
         if quant is None:
-            return UnquantizedLinearMethod(self.ops)
+            return self._float_linear_method()
         use_quant_ops = self.device.type == "cpu" and self.config.device.cpu_kernels
         return QuantizedLinearMethod(quant, load_cpu_kernels() if use_quant_ops else None, self.ops)
 
@@ -141,7 +151,8 @@ class Worker:
             return
         proposer = None
         if spec is not None:
-            ctx = ProposerContext(self.config, self.device, self.ops, FusedDecode.create)
+            ctx = ProposerContext(self.config, self.device, self.ops, FusedDecode.create, self._float_linear_method,
+                                  self._fuse_elementwise)
             proposer = create_proposer(spec, ctx)
             logger.info("speculative decoding: %s, up to %d draft tokens a step", spec.method,
                         spec.num_speculative_tokens)
