@@ -29,6 +29,7 @@ from tokenmill.attention.backend import (
     output_rows,
     to_device,
 )
+from tokenmill.attention.cpu import CpuBackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -124,10 +125,14 @@ class ModelRunner:
         # False runs every row through it, the reference path the tests compare with
         self.output_rows_only = True
         # a step of decodes and verification runs (a request's last token and its drafts, every row
-        # sampled) described as decode rows (as_decode_rows), so that the fused decode call takes it:
-        # None where the fused path exists; True always (the layer loop over the decode rows, the
-        # reference the tests compare the fused path with), False never (verification runs as prefill)
+        # sampled) described as decode rows (as_decode_rows), so that the fused decode call or the C++ paged
+        # decode takes it: None where either exists (the `cpu` backend with its kernels: without the fused
+        # path, as on AVX2, its paged decode beats prefill chunks through SDPA there: bench/README.md); True
+        # always (the layer loop over the decode rows, the reference the tests compare the fused path with),
+        # False never (verification runs as prefill)
         self.verify_as_decode_rows: bool | None = None
+        self._decode_rows_native = self.fused_decode is not None or (
+            isinstance(backend, CpuBackend) and backend.ops is not None)
         # launch(): a pure-decode greedy step queued on the GPU by the thread that prepared it, its pending
         # inputs taken from the device tensor of the tokens the step before samples, so that the GPU runs
         # the next step while those tokens travel to the host. On where decode steps replay graphs; the
@@ -177,7 +182,7 @@ class ModelRunner:
             query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_tables=step.block_tables,
             num_decodes=step.num_decodes, block_size=self.block_size)
         as_rows = self.verify_as_decode_rows
-        if (step.sample_drafts and (as_rows or (as_rows is None and self.fused_decode is not None))
+        if (step.sample_drafts and (as_rows or (as_rows is None and self._decode_rows_native))
                 and not step.prompt_lp_rows and len(step.logits_indices) == len(step.input_ids)):
             meta = as_decode_rows(meta)  # every row is sampled: decodes and verification runs only
         self.backend.prepare(meta, self.device)
