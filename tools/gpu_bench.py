@@ -126,7 +126,7 @@ def profile(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]
     common = {"model": args.model, "attention_backend": config.attention_backend,
               "enforce_eager": config.device.enforce_eager, "async_scheduling": config.scheduler.async_scheduling,
               "launch_ahead": runner.launch_ahead, "launched_steps": runner.launched - launched0, "gemv": args.gemv,
-              "gated": args.gated, "pdl": gpu_pdl(DEVICE), "gemv_config": args.gemv_config,
+              "gated": args.gated, "pdl": gpu_pdl(DEVICE, config.attention_backend), "gemv_config": args.gemv_config,
               "batch": args.batch, "steps": steps, "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
               "graph_replay_ms": replay_ms,
               "device": device_name()}

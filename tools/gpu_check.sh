@@ -127,7 +127,7 @@ step gemv_tune 150 sh -c "printf '%s\n' \"\${GPU_CHECK_TUNE:---gated on
 --gemv-config 2,2048,8
 --gemv-config 1,2048,4}\" | while read -r opts; do '$PY' tools/gpu_bench.py profile --no-profiler --replay 512 \
     --batch 1 --steps 64 --max-num-seqs 8 --dtype bfloat16 --kv-cache-memory 16GiB \$opts '$MODEL' >> '$RESULTS' \
-    || exit; done; for p in 0 1; do TOKENMILL_PDL=\$p '$PY' tools/gpu_bench.py profile --no-profiler --replay 256 \
+    || exit; done || exit; for p in 0 1; do TOKENMILL_PDL=\$p '$PY' tools/gpu_bench.py profile --no-profiler --replay 256 \
     --batch 64 --steps 32 --max-num-seqs 64 --dtype bfloat16 --kv-cache-memory 16GiB '$MODEL' >> '$RESULTS' || exit; done"
 step kernels_b1 40 sh -c "'$PY' tools/gpu_bench.py profile --batch 1 --steps 64 --max-num-seqs 8 --dtype bfloat16 \
     --kv-cache-memory 16GiB --table '$OUT/kernels_b1.txt' --table-sort self_device_time_total '$MODEL' >> '$RESULTS'"

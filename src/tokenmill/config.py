@@ -92,6 +92,12 @@ class DeviceConfig:
     enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps
 
 
+
+def bf16_weights_kept(arch: ArchConfig) -> bool:
+    """Whether a float32 model of this checkpoint may keep its linear weights in bf16 (ModelConfig.linear_weight_dtype):
+    a bf16 checkpoint of a dense, non-MLA model (ModelCost counts only a dense model's projections in bf16)."""
+    return arch.dtype == "bfloat16" and arch.moe is None and arch.mla is None
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -327,8 +333,8 @@ class EngineArgs:
         max_model_len = self._max_model_len(arch, runner)
         # dense generate models on one rank only (MoE and MLA models, and sharded ones, keep float32 weights:
         # ModelCost counts only a dense, whole model's projections and embedding in bf16)
-        keep_bf16 = (self.dtype == "auto" and dtype == "float32" and device == "cpu" and arch.dtype == "bfloat16"
-                     and runner == "generate" and arch.moe is None and arch.mla is None and self.cpu_kernels
+        keep_bf16 = (self.dtype == "auto" and dtype == "float32" and device == "cpu" and bf16_weights_kept(arch)
+                     and runner == "generate" and self.cpu_kernels
                      and self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1)
         self._check_positive()
         kv_storage_dtype(self.kv_cache_dtype, dtype)  # refuses an unknown choice

@@ -132,8 +132,12 @@ def test_the_cost_gate_proposes_where_drafted_steps_take_more_tokens_a_second(sp
 
 def test_the_cost_gate_leaves_out_a_proposers_catch_up() -> None:
     """A proposer that spent 3 of its 4 s catching its model up on unseen tokens: the drafted step's cost the
-    gate measures is the 1 s of drafting."""
+    gate measures leaves those 3 s out; a later step that does not reach the proposer subtracts nothing."""
     now = [0.0]
+
+    def clock() -> float:  # each reading a second after the one before, besides the proposer's own time
+        now[0] += 1.0
+        return now[0]
 
     class CatchingUp(Always):
         catchup_s = 0.0
@@ -143,9 +147,11 @@ def test_the_cost_gate_leaves_out_a_proposers_catch_up() -> None:
             self.catchup_s = 3.0
             return super().propose(batch)
 
-    decoder = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=2), CatchingUp(),
-                          clock=lambda: now[0])
+    decoder = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=2), CatchingUp(), clock=clock)
     assert decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [1], step_s=1.0))
+    assert decoder.propose_s == 2.0  # 1 + 4 - 3
+    predicted = SamplingParams(prediction_token_ids=[4, 5])  # drafted from its reference: no proposer call
+    decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [1], step_s=1.0, sampling_params=[predicted]))
     assert decoder.propose_s == 1.0
 
 
@@ -156,9 +162,13 @@ def test_the_draft_model_reports_its_catch_up(llama_dir: str, draft_dir: str) ->
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", speculative_config=cfg)
     proposer = llm.engine.core.executor.worker.model_runner.proposer.proposer
     tokens = list(range(5, 60))
-    assert proposer.propose(ProposalInput(["r"], [tokens], [len(tokens)], step_s=None)) and proposer.catchup_s > 0
-    drafts = proposer.propose(ProposalInput(["s"], [[7]], [1], step_s=None))
-    assert drafts and proposer.catchup_s == 0.0
+    drafts = proposer.propose(ProposalInput(["r"], [tokens], [len(tokens)], step_s=None))["r"]
+    assert proposer.catchup_s > 0
+    # every draft taken, and the token after them: the draft is fed its last draft and that token, no catch-up
+    tokens += drafts + [9]
+    assert proposer.propose(ProposalInput(["r"], [tokens], [len(drafts) + 1], step_s=None))
+    assert proposer.catchup_s == 0.0
+    assert proposer.propose(ProposalInput(["s"], [[7]], [1], step_s=None)) and proposer.catchup_s == 0.0
 
 
 def test_a_large_batch_proposes_nothing(llama_dir: str) -> None:

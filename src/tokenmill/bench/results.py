@@ -46,15 +46,15 @@ def loaded_weight_bytes(llm: Any) -> int:
     return int(llm.engine.core.executor.collective_rpc("weight_bytes")[0])
 
 
-def gpu_pdl(device: str) -> bool | None:
+def gpu_pdl(device: str, attention_backend: str) -> bool | None:
     """Whether the Triton kernels launch with programmatic dependent launch on `device` (kernels/triton/common.py);
-    None on the CPU."""
-    if device != "cuda":
+    None where no Triton kernel runs (the CPU, or another attention backend on a GPU)."""
+    if not device.startswith("cuda") or attention_backend != "triton":
         return None
     import torch
 
     from tokenmill.kernels.triton.common import use_pdl
-    return use_pdl(torch.device("cuda"))
+    return use_pdl(torch.device(device))
 
 
 def git_commit() -> str | None:

@@ -144,6 +144,8 @@ class SpecDecoder:
 
     def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
         start = self.clock()
+        if self.proposer is not None and hasattr(self.proposer, "catchup_s"):
+            self.proposer.catchup_s = 0.0  # (a step that does not reach the proposer has none)
         try:
             return self._propose(batch)
         finally:

@@ -25,7 +25,7 @@ import torch
 from tokenmill.arch import load_arch_config
 from tokenmill.attention import get_backend
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.config import SpeculativeConfig
+from tokenmill.config import SpeculativeConfig, bf16_weights_kept
 from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheConfig, plan_kv_cache
 from tokenmill.layers import use_cpu_kernels
 from tokenmill.layers.attention import attention_layers
@@ -83,6 +83,7 @@ class DraftModelProposer:
         # of the last propose(), the seconds its first forward took beyond a one-token one: feeding the draft
         # the tokens it had not seen (adaptive.SpecDecoder leaves them out of the drafted steps' cost)
         self.catchup_s = 0.0
+        self._one_token_s: float | None = None  # the last propose's fastest forward of one-token feeds
 
     @classmethod
     def load(cls, spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
@@ -90,7 +91,9 @@ class DraftModelProposer:
         cfg = ctx.engine_config
         arch = load_arch_config(spec.model)
         dtype = TORCH_DTYPES[cfg.model.dtype]
-        method = ctx.linear_method() if ctx.linear_method is not None else UnquantizedLinearMethod(ctx.ops)
+        # the target's float method where the draft's checkpoint may keep bf16 weights as the target's does
+        method = (ctx.linear_method() if ctx.linear_method is not None and bf16_weights_kept(arch)
+                  else UnquantizedLinearMethod(ctx.ops))
         model = load_model(spec.model, arch, dtype, ctx.device, method)
         if ctx.fuse_elementwise is not None:
             ctx.fuse_elementwise(model)
@@ -147,7 +150,9 @@ class DraftModelProposer:
             feeds.append(list(tokens[keep:]))
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in active}
         probs: dict[str, list[torch.Tensor]] = {}
-        catching_up = any(len(feed) > 1 for feed in feeds)
+        # a step after one that verified drafts feeds one or two tokens a request (its last draft and the
+        # verified token after it, when every draft was taken): more is catching up
+        catching_up = any(len(feed) > 2 for feed in feeds)
         times: list[float] = []
         for _ in range(max((k for _, _, k, _ in active), default=0)):
             if not active:
@@ -171,9 +176,12 @@ class DraftModelProposer:
         for rid, rows in probs.items():
             if rows:
                 self.draft_probs[rid] = torch.stack(rows)
-        # the catch-up: the first forward's time beyond the one-token forwards after it (none: nothing to
-        # compare with, so nothing is set apart)
-        self.catchup_s = max(0.0, times[0] - min(times[1:])) if catching_up and len(times) > 1 else 0.0
+        # the catch-up: the first forward's time beyond a one-token forward (this propose's fastest after the
+        # first, else the last one measured; none yet: nothing is set apart)
+        if len(times) > 1:
+            self._one_token_s = min(times[1:])
+        one = self._one_token_s
+        self.catchup_s = max(0.0, times[0] - one) if catching_up and times and one is not None else 0.0
         return {rid: d for rid, d in drafts.items() if d}
 
     def _forward(self, states: list[_DraftSeq], feeds: list[list[int]], greedy: bool) -> torch.Tensor:

@@ -4,8 +4,9 @@ programmatic dependent launch (PDL) on Hopper and later GPUs.
 PDL: a kernel launched with it may start while the kernel before it on the stream is still running, once every
 program of that one has passed `gdc_launch_dependents` (or exited). A kernel launched so must call `pdl_wait`
 before it reads anything an earlier kernel wrote, and before it writes anything; what it does before that may
-only read memory no kernel of the step writes (the weights). Every kernel here calls `gdc_launch_dependents`
-right after its wait, so each waits on one that finished after its own predecessor did. Without PDL (the
+only read memory no kernel of the step writes (the weights). Every kernel launched with PDL here calls
+`gdc_launch_dependents` right after its wait, so each waits on one that finished after its own predecessor did
+(`gemv_dot`, not taken by the layers, launches without it). Without PDL (the
 CPU, the interpreter, GPUs before sm_90, TOKENMILL_PDL=0) the kernels launch as usual and the PDL branch is
 not compiled."""
 

@@ -1,7 +1,8 @@
 // Fused elementwise ops for bfloat16 and float32 rows on CPUs, each one pass over memory instead of the
 // several kernels (and float32 temporaries) the torch reference path launches. Rounding follows the
-// reference: float32 arithmetic, rounded to the rows' dtype where the reference stores one (for float32
-// rows those roundings are nothing).
+// reference: float32 arithmetic, rounded to the rows' dtype where the reference stores one. For float32 rows
+// those roundings are nothing, and the compiler may fuse a multiply and add that torch rounds apart, so a
+// result can differ from torch's in its last bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
