@@ -51,39 +51,35 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     if TWO:
         w1 = _load_w(w_ptr, n, BLOCK_K + k, n_mask, K, stride_wn)
     pdl_wait(PDL)
-    x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
-                dtype).to(tl.float32)
+    x_at = x_ptr + m[:, None] * stride_xm
     # products summed over K once, at the end; one row keeps a 2-D accumulator (the 3-D one, [1, BLOCK_N,
     # BLOCK_K], was the slower on an H200: bench/README.md)
-    if ROWS == 1:
-        acc2 = w * x
-    else:
-        acc = x[:, None, :] * w[None, :, :]
+    acc = _slice_products(x_at, m_mask, k, K, w, GATED, dtype, ROWS)
     if TWO:
-        k = BLOCK_K + tl.arange(0, BLOCK_K)
-        x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
-                    dtype).to(tl.float32)
-        if ROWS == 1:
-            acc2 += w1 * x
-        else:
-            acc += x[:, None, :] * w1[None, :, :]
+        acc += _slice_products(x_at, m_mask, BLOCK_K + k, K, w1, GATED, dtype, ROWS)
     for k0 in range(BLOCK_K * (2 if TWO else 1), K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(w_ptr, n, k, n_mask, K, stride_wn)
-        x = _load_x(x_ptr + m[:, None] * stride_xm + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED,
-                    dtype).to(tl.float32)
-        if ROWS == 1:
-            acc2 += w * x
-        else:
-            acc += x[:, None, :] * w[None, :, :]
+        ks = k0 + tl.arange(0, BLOCK_K)
+        acc += _slice_products(x_at, m_mask, ks, K, _load_w(w_ptr, n, ks, n_mask, K, stride_wn), GATED, dtype, ROWS)
     if ROWS == 1:
-        y = tl.sum(acc2, axis=1)[None, :]
+        y = tl.sum(acc, axis=1)[None, :]
     else:
         y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _slice_products(x_at, m_mask, k, K, w, GATED: tl.constexpr, dtype: tl.constexpr, ROWS: tl.constexpr):
+    """x's K slice `k` times the weight's ([BLOCK_N, BLOCK_K] float32, w), elementwise: [BLOCK_N, BLOCK_K] for
+    one row, [ROWS, BLOCK_N, BLOCK_K] for more."""
+    x = _load_x(x_at + k[None, :], m_mask[:, None] & (k < K)[None, :], K, GATED, dtype).to(tl.float32)
+    if ROWS == 1:
+        products = w * x
+    else:
+        products = x[:, None, :] * w[None, :, :]
+    return products
 
 
 @triton.jit
