@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill.bench import plan
 from tokenmill.entrypoints.cli import main
 
 # 4 layers of 2 kv heads of size 128 (the KV shape of common 1B-8B models): bf16 K+V = 2 x 2 heads x 128 x 2 B
@@ -23,7 +24,9 @@ def model_dir(tmp_path: Path) -> str:
     return str(tmp_path)
 
 
-def test_plan_reports_each_kv_dtype(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_reports_each_kv_dtype(model_dir: str, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan, "cpu_runs_bf16", lambda: True)  # (a CPU with bf16 products: a bf16 KV cache)
     assert main(["plan", model_dir, "--kv-cache-memory", "1GiB", "--max-model-len", "2048", "--context", "2048",
                  "--bandwidth", "1", "--flops", "1", "--block-size", "16", "--kv-cache-dtype", "int8", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)

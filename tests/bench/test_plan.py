@@ -7,9 +7,13 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tokenmill import config
 from tokenmill.arch import load_arch_config, parse_arch_config
+from tokenmill.bench import plan
 from tokenmill.bench.model_math import ModelCost, decode_floor, kv_capacity, max_requests
+from tokenmill.config import EngineArgs
 from tokenmill.entrypoints.cli import main
+from tokenmill.metrics.step_cost import model_cost
 
 # hidden 64, 4 heads of 16 (2 KV heads), MLP 128, 2 layers, vocab 100. By hand:
 #   embedding 100*64 = 6400; attention per layer 64*(64+2*32) + 64*64 = 12288; MLP 3*64*128 = 24576;
@@ -83,7 +87,8 @@ def _prod(shape: list[int]) -> int:
     return out
 
 
-def test_plan_cli_json(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_cli_json(model_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan, "cpu_runs_bf16", lambda: True)  # (a CPU with bf16 products: the model runs in bf16)
     assert main(["plan", model_dir, "--kv-cache-memory", "64KiB", "--bandwidth", "1", "--flops", "1",
                  "--context", "32", "--batch-sizes", "1,2,16", "--block-size", "16", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
@@ -94,6 +99,22 @@ def test_plan_cli_json(model_dir: str, capsys: pytest.CaptureFixture[str]) -> No
     assert p["decode"][0]["floor_ms"] == pytest.approx(177280e-6) and p["decode"][0]["bound"] == "compute"
     assert [r["fits"] for r in p["decode"]] == [True, True, False]  # 16 x 32 > 256 tokens
     assert p["bandwidth_source"] == "given" and p["dtype"] == "bfloat16"
+
+
+def test_plan_follows_the_engine_on_a_cpu_without_bf16(model_dir: str, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the engine's dtype auto runs a bf16 checkpoint in float32 over bf16-stored linear weights (an AVX2
+    CPU, forced here), the plan counts the same weight and KV bytes as the engine's own ModelCost."""
+    monkeypatch.setattr(plan, "cpu_runs_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
+    assert main(["plan", model_dir, "--kv-cache-memory", "64KiB", "--bandwidth", "1", "--flops", "1", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    engine = model_cost(EngineArgs(model=model_dir, device="cpu").create_engine_config())
+    assert (p["dtype"], p["linear_weight_dtype"]) == ("float32", "bfloat16")
+    assert (p["weight_bytes"], p["kv_bytes_per_token"]) == (engine.weight_bytes, engine.kv_bytes_per_token)
+    assert p["kv_bytes_per_token"] == 512 and p["weight_bytes"] < 86848 * 4  # float32 KV, bf16 projections
+    assert main(["plan", model_dir, "--kv-cache-memory", "64KiB"]) == 0
+    assert "linear weights stored bfloat16" in capsys.readouterr().out
 
 
 def test_plan_cli_table_and_memory_split(model_dir: str, capsys: pytest.CaptureFixture[str],

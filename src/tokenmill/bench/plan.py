@@ -21,7 +21,8 @@ from tokenmill.bench.model_math import (
     max_requests,
 )
 from tokenmill.bench.roofline import Ceilings, ceilings
-from tokenmill.config import default_block_size, parse_memory
+from tokenmill.config import bf16_weights_kept, default_block_size, parse_memory
+from tokenmill.cpu_features import cpu_runs_bf16
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
 
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
@@ -33,7 +34,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--memory", default="4GiB", help="memory for weights + KV cache, e.g. 4GiB")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget alone (overrides --memory)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="weights and KV dtype (default: the checkpoint's, else bfloat16)")
+                   help="weights and KV dtype (default: as the engine's dtype auto runs the checkpoint on this CPU)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="KV cache storage, as the engine's flag (default: auto, the weights' dtype)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length a request may reach")
@@ -53,7 +54,22 @@ def register(subparsers: Any) -> None:
 
 
 def resolve_dtype(arch: ArchConfig, dtype: str | None) -> str:
-    return dtype or (arch.dtype if arch.dtype in ("bfloat16", "float16", "float32") else "bfloat16")
+    return resolve_dtypes(arch, dtype)[0]
+
+
+def resolve_dtypes(arch: ArchConfig, dtype: str | None) -> tuple[str, str | None]:
+    """(model dtype, stored linear-weight dtype or None) as the engine runs the checkpoint on this CPU: a given
+    --dtype as is; else the checkpoint's (bfloat16 if it names none), float16 as bfloat16, and bfloat16 on a
+    CPU without bf16 products in float32 over bf16-stored weights where the engine keeps them
+    (config.bf16_weights_kept), as its dtype auto does."""
+    if dtype is not None:
+        return dtype, None
+    resolved = arch.dtype if arch.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    if resolved == "float16":
+        resolved = "bfloat16"
+    if resolved == "bfloat16" and not cpu_runs_bf16():
+        return "float32", "bfloat16" if bf16_weights_kept(arch) else None
+    return resolved, None
 
 
 def _size(value: str, flag: str) -> int:
@@ -73,9 +89,9 @@ def _positive(value: int | None, flag: str) -> None:
 
 def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
     arch = load_arch_config(args.model)
-    dtype = resolve_dtype(arch, args.dtype)
+    dtype, linear_dtype = resolve_dtypes(arch, args.dtype)
     kv_choice = getattr(args, "kv_cache_dtype", "auto")
-    cost = ModelCost(arch, dtype, kv_storage_dtype(kv_choice, dtype))
+    cost = ModelCost(arch, dtype, kv_storage_dtype(kv_choice, dtype), linear_dtype=linear_dtype)
     for flag in ("max_model_len", "context", "prompt_len", "block_size"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     max_len = args.max_model_len or arch.max_position_embeddings
@@ -93,12 +109,14 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
         raise ValueError(f"--batch-sizes {args.batch_sizes!r} is not a comma-separated list of integers") from None
     plan: dict[str, Any] = {
         "model": args.model, "architecture": arch.architecture, "dtype": dtype, "dtype_bytes": dtype_bytes(dtype),
+        "linear_weight_dtype": linear_dtype,
         "params": cost.params, "embedding_params": cost.embedding_params, "lm_head_params": cost.lm_head_params,
         "tie_word_embeddings": arch.tie_word_embeddings, "matmul_params": cost.matmul_params,
         "weight_bytes": cost.weight_bytes, "decode_weight_bytes": cost.decode_weight_bytes(1),
         "kv_cache_dtype": kv_choice, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_cache_dtypes": kv_dtype_table(arch, dtype, kv_budget, args.block_size, max_len, context),
-        "weight_bytes_by_format": {f: ModelCost(arch, dtype, quantization=None if f == dtype else f).weight_bytes
+        "weight_bytes_by_format": {f: ModelCost(arch, dtype, quantization=None if f == dtype else f,
+                                                linear_dtype=linear_dtype if f == dtype else None).weight_bytes
                                    for f in (dtype, *QUANTIZED_FORMATS)},
         "layers": arch.num_layers, "heads": arch.num_heads,
         "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "max_model_len": max_len,
@@ -178,7 +196,8 @@ def render(plan: dict[str, Any]) -> str:
         experts = (f"; {p['experts']} experts, {p['experts_per_token']} per token in {p['sparse_layers']} layers: "
                    f"{_count(p['active_params'])} active")
     lines = [
-        f"model        {p['model']}  ({p['architecture']}, {p['dtype']})",
+        f"model        {p['model']}  ({p['architecture']}, {p['dtype']}"
+        f"{', linear weights stored ' + p['linear_weight_dtype'] if p['linear_weight_dtype'] else ''})",
         f"parameters   {_count(p['params'])}  (embedding {_count(p['embedding_params'])}, {tied}){experts}; "
         f"weights {p['weight_bytes'] / 1e6:.1f} MB",
         "weights by   " + ", ".join(f"{f} {b / 1e6:.1f} MB" for f, b in p["weight_bytes_by_format"].items())
