@@ -120,14 +120,15 @@ def test_draft_tokens_give_the_sync_tokens(llama_dir: str) -> None:
         assert tokens(got) == tokens(plain)
 
 
-def test_masked_argmax_kernel_equals_the_reference() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_masked_argmax_kernel_equals_the_reference(dtype: torch.dtype) -> None:
     ops = load_cpu_kernels()
     assert ops is not None
     g = torch.Generator().manual_seed(0)
     for vocab in (1, 31, 32, 100, 513, 4099):
         for density in (0.0, 0.02, 0.5, 1.0):
             words = -(-vocab // 32) + 1  # a word past the vocabulary too
-            logits = (torch.randn(9, vocab, generator=g) * 3).round().to(torch.bfloat16)  # many ties
+            logits = (torch.randn(9, vocab, generator=g) * 3).round().to(dtype)  # many ties
             allowed = torch.rand(9, words * 32, generator=g) < density
             allowed[0] = True  # an unconstrained row
             allowed[1, :] = False

@@ -109,7 +109,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.failed: dict[str, str] = {}  # requests whose state could not be built, until they finish
         self.sampling = SamplingTable(config.model.arch.eos_token_ids)  # the states' sampling parameters, one row each
-        self.sampler = Sampler(ops)
+        # (a float32 model has no worker ops; the cpu backend's kernels take its argmax)
+        self.sampler = Sampler(ops if ops is not None else getattr(backend, "ops", None))
         self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
         self._hidden: torch.Tensor | None = None  # the sampled rows' hidden states, for a proposer that needs them
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it

@@ -217,14 +217,15 @@ def host_list(t: torch.Tensor) -> list[int]:
 
 class Sampler:
     def __init__(self, ops: Any = None) -> None:
-        self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 logits
+        self.ops = ops  # tokenmill's C++ CPU kernels: argmax straight from bf16 or float32 logits
 
     def argmax(self, logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> list[int] | None:
         """Each row's argmax by the C++ kernel (the first of equal maxima, as torch's), over the tokens
         the row's bitmask allows where one is given, or on a GPU by torch's argmax (no bitmask), or None
         where neither applies. For rows that are
         all argmax (SamplingMetadata.all_argmax): the caller checks that."""
-        if self.ops is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+        if (self.ops is not None and logits.dtype in (torch.bfloat16, torch.float32)
+                and logits.device.type == "cpu"):
             if bitmask is None:
                 return self.ops.argmax_rows(logits).tolist()
             return self.ops.argmax_rows_masked(logits, bitmask).tolist()
