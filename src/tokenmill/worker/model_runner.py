@@ -132,8 +132,8 @@ class ModelRunner:
         # always (the layer loop over the decode rows, the reference the tests compare the fused path with),
         # False never (verification runs as prefill)
         self.verify_as_decode_rows: bool | None = None
-        self._decode_rows_native = self.fused_decode is not None or (
-            isinstance(backend, CpuBackend) and backend.ops is not None)
+        # (the fused decode path exists only on such a backend: FusedDecode.create)
+        self._decode_rows_native = isinstance(backend, CpuBackend) and backend.ops is not None
         # launch(): a pure-decode greedy step queued on the GPU by the thread that prepared it, its pending
         # inputs taken from the device tensor of the tokens the step before samples, so that the GPU runs
         # the next step while those tokens travel to the host. On where decode steps replay graphs; the
