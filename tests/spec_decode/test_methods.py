@@ -148,9 +148,11 @@ def test_a_thousand_requests_aborted_at_random_leave_no_block_in_either_cache(ll
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])  # 0: the draft's fused argmax (decode_greedy)
+# float32: the fused path's float32 form (an AVX2-only CPU, where oneDNN packs float32 weights)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_draft_models_fused_steps_match_its_layer_loop(llama_dir: str, draft_dir: str,
-                                                           temperature: float) -> None:
-    """bf16, where the draft takes the fused decode path: its proposals (catch-up feeds and one-token
+                                                           temperature: float, dtype: str) -> None:
+    """Where the draft takes the fused decode path: its proposals (catch-up feeds and one-token
     steps as decode rows in one C++ call) are bitwise those of its layer loop over the same rows, and the
     target's output is the same."""
     from tokenmill.kernels import load_cpu_kernels
@@ -160,7 +162,7 @@ def test_the_draft_models_fused_steps_match_its_layer_loop(llama_dir: str, draft
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=20, ignore_eos=True) for i in range(len(ALL))]
     results = []
     for reference in (False, True):
-        llm = LLM(llama_dir, dtype="bfloat16", block_size=8, num_threads=1, kv_cache_memory="8MiB",
+        llm = LLM(llama_dir, dtype=dtype, block_size=8, num_threads=1, kv_cache_memory="8MiB",
                   async_scheduling=False, speculative_config=spec_config("draft_model", draft_dir, k=3,
                                                                          adaptive=False))
         draft = llm.engine.core.executor.runner.proposer.proposer

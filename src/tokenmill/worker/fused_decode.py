@@ -13,6 +13,10 @@ give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS ro
 beyond), so a model with them is fused up to that many rows. It reads the backend's decode tables through
 `CpuBackend.decode_tables`. A quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) is stored and read by
 the ops the C++ backend calls for it (write_kv_quant_, paged_attention_quant), with each layer's scales.
+
+A float32 model (an AVX2-only CPU's dtype auto) takes it too where its layers are dense, its projections float
+(oneDNN-packed float32 weights, or bf16-stored ones that the widening GEMV takes: those up to its rows, so such a
+model is fused up to that many) and its cache float32: the kernels' float32 forms, as its Python loop calls them.
 """
 
 from __future__ import annotations
@@ -23,18 +27,22 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu import CpuBackend
-from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod, WidenedGemv
 from tokenmill.layers.quantization import FusedProjection, fused_projection
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
 
 ONEDNN_ONLY = -1  # the kernel's mark for a packed weight the GEMV does not read (oneDNN runs it)
+WIDENED = -2  # the kernel's mark for a bf16-stored weight under float32 rows (the widening GEMV runs it)
 
 
 def _gemv_ptr(layer: LinearBase) -> int:
     """The GEMV's packed-weight address for an unquantized packed layer, ONEDNN_ONLY for one whose
-    packed layout the GEMV does not read, else 0."""
+    packed layout the GEMV does not read, WIDENED for a bf16-stored one whose GEMV slot holds the widening
+    GEMV, else 0."""
     if not isinstance(layer.method, UnquantizedLinearMethod):
         return 0
+    if isinstance(layer.gemv_ops, WidenedGemv):
+        return WIDENED
     ptr = layer.method.gemv_data_ptr(layer)
     return ptr if ptr or not layer.packed else ONEDNN_ONLY
 
@@ -58,8 +66,12 @@ def _routing(layout: DecoderLayout) -> tuple[int, int, bool, float] | None:
     return routing.pop() if routing else (0, 0, False, 1.0)
 
 
-def _fusable(layer: LinearBase) -> bool:
-    return (layer.packed and _gemv_ptr(layer) != 0) or fused_projection(layer) is not None
+def _fusable(layer: LinearBase, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs this projection for rows of `dtype` (quantized ones: bf16 rows only)."""
+    ptr = _gemv_ptr(layer)
+    if (layer.packed and ptr != 0) or ptr == WIDENED:
+        return True
+    return dtype == torch.bfloat16 and fused_projection(layer) is not None
 
 
 class FusedDecode:
@@ -92,6 +104,9 @@ class FusedDecode:
                                    *(m.weight for m in layer.experts.down)]
             weights += [layer.input_norm, w[0], bias, w[1], layer.post_norm, *mlp]
             ptrs += [_gemv_ptr(m) for m in _projections(layer)]
+            for m in _projections(layer):
+                if _gemv_ptr(m) == WIDENED:  # the widening GEMV's rows
+                    self._take_max_rows(int(m.gemv_max_rows))
             for f in fused:
                 quant += list(f.quant) if f is not None else [empty] * 4
                 kinds += list(f.kind) if f is not None else [0, 0, 0]
@@ -112,36 +127,49 @@ class FusedDecode:
                       layout.sliding_window or 0, True, self.quant, self.linear_kinds, self.kv_scales,
                       expert_weights, *routing)
         self.embed = layout.embed
+        self.dtype = layout.cos.dtype  # the rows' (a bf16 embedding widens to float32 rows)
         lm_head = layout.lm_head
         self._lm_head: tuple[Any, ...] | None = None
-        if lm_head.packed:
+        if lm_head.packed or _gemv_ptr(lm_head) == WIDENED:
             self._lm_head = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, _gemv_ptr(lm_head))
+            if _gemv_ptr(lm_head) == WIDENED:
+                self._take_max_rows(int(lm_head.gemv_max_rows))
 
     def _take_rows(self, f: FusedProjection | None) -> None:
         if f is not None and f.max_rows is not None:
-            self.max_rows = f.max_rows if self.max_rows is None else min(self.max_rows, f.max_rows)
+            self._take_max_rows(f.max_rows)
+
+    def _take_max_rows(self, rows: int) -> None:
+        self.max_rows = rows if self.max_rows is None else min(self.max_rows, rows)
 
     @classmethod
     def create(cls, model: Any, ops: Any, backend: Any) -> FusedDecode | None:
         """The fused path for this model on this backend, or None where it does not apply."""
-        if ops is None or not isinstance(backend, CpuBackend) or backend.ops is None:
+        if not isinstance(backend, CpuBackend) or backend.ops is None:
             return None
+        if ops is None:  # (a float32 model's worker has none: the backend's are the same kernels)
+            ops = backend.ops
         if not isinstance(model, SupportsDecoderLayout):
             return None
         layout = model.decoder_layout()
-        if layout is None or layout.cos.dtype != torch.bfloat16 or layout.cos.device.type != "cpu":
+        if layout is None or layout.cos.device.type != "cpu":
+            return None
+        dtype = layout.cos.dtype
+        if dtype not in (torch.bfloat16, torch.float32):
             return None
         quantized_kv = [layer.kv_scales is not None for layer in layout.layers]
-        if any(quantized_kv) and not all(quantized_kv):
+        if any(quantized_kv) and (not all(quantized_kv) or dtype != torch.bfloat16):
             return None
-        if not any(quantized_kv) and any(layer.kv_cache.dtype != torch.bfloat16 for layer in layout.layers):
+        if not any(quantized_kv) and any(layer.kv_cache.dtype != dtype for layer in layout.layers):
             return None
         if _routing(layout) is None:
             return None
         for layer in layout.layers:
+            if layer.experts is not None and dtype != torch.bfloat16:
+                return None
             dense = [layer.qkv, layer.o_proj] + ([] if layer.experts is not None else _projections(layer)[2:])
             experts = _projections(layer)[2:] if layer.experts is not None else []
-            if not all(_fusable(m) for m in dense) or not all(m.packed and _gemv_ptr(m) for m in experts):
+            if not all(_fusable(m, dtype) for m in dense) or not all(m.packed and _gemv_ptr(m) for m in experts):
                 return None
         return cls(layout, ops, backend)
 
@@ -159,7 +187,7 @@ class FusedDecode:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states of a pure-decode step (as the model's forward gives them)."""
-        h = torch.nn.functional.embedding(input_ids, self.embed)
+        h = torch.nn.functional.embedding(input_ids, self.embed).to(self.dtype)
         out: torch.Tensor = self.ops.decode_layers(h, positions, *self._args(meta))
         return out
 

@@ -474,6 +474,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                                  tables.size(1), static_cast<float>(scale), window);
     return out;
   }
+  if (q.scalar_type() == at::kFloat) {
+    tokenmill::paged_decode_f32(q.data_ptr<float>(), q.stride(0), q.stride(1), k_cache.data_ptr<float>(),
+                                v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                                out.data_ptr<float>(), q.size(0), hq, hk, dim, bs, tables.size(1),
+                                static_cast<float>(scale), window);
+    return out;
+  }
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto kernel = dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
@@ -482,7 +489,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               static_cast<float>(scale), window);
   };
   switch (q.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
     case at::kHalf: run(static_cast<at::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
@@ -490,6 +496,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 }
 
 }  // namespace
+
+void tokenmill::paged_decode_f32(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* kc,
+                                 const float* vc, const int32_t* tables, const int32_t* lens, float* out, int64_t t,
+                                 int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks, float scale,
+                                 int64_t window) {
+  auto kernel = dim == 64 ? decode<float, 64> : dim == 128 ? decode<float, 128> : decode<float, 0>;
+  kernel(q, q_seq_stride, q_head_stride, kc, vc, tables, lens, out, t, hq, hk, dim, bs, max_blocks, scale, window);
+}
 
 void tokenmill::paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_stride, const uint16_t* kc,
                                   const uint16_t* vc, const int32_t* tables, const int32_t* lens, uint16_t* out,

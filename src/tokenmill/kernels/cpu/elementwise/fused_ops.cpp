@@ -60,6 +60,11 @@ void rotary_rows(uint16_t* xp, int64_t t, int64_t heads, int64_t d, int64_t st, 
   rotary_rows_of<Bf16Rows>(xp, t, heads, d, st, sh, pp, cp, sp);
 }
 
+void rotary_rows_f32(float* xp, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh, const int64_t* pp,
+                     const float* cp, const float* sp) {
+  rotary_rows_of<F32Rows>(xp, t, heads, d, st, sh, pp, cp, sp);
+}
+
 void write_kv_rows(const char* kp, const char* vp, int64_t k_stride, int64_t v_stride, char* kc, char* vc,
                    const int64_t* sp, int64_t t, int64_t row_bytes, int64_t num_slots) {
   for (int64_t i = 0; i < t; ++i) {
@@ -183,8 +188,8 @@ void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, 
                   sin.is_contiguous(), "rotary: cos/sin");
   auto pos = positions.contiguous();
   if (x.scalar_type() == at::kFloat) {
-    rotary_rows_of<F32Rows>(x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1),
-                            pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
+    tokenmill::rotary_rows_f32(x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1),
+                               pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
     return;
   }
   tokenmill::rotary_rows(reinterpret_cast<uint16_t*>(x.data_ptr<bf16>()), x.size(0), x.size(1), x.size(2),

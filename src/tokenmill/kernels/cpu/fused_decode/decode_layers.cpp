@@ -13,11 +13,15 @@
 // are bf16 only) call the ops QuantizedLinearMethod.apply calls, with the same tensors (linear_kinds and quant say
 // which and with what, four projection slots per layer, a sparse layer's MLP slots float); a quantized KV cache (int8,
 // fp8 e4m3: kv_scales holds each layer's K and V scales) is written and read by the ops CpuBackend calls for it.
+// Float32 rows (a float32 model: dense layers, float projections, a float32 cache) take the same loop with the
+// kernels' float32 forms; their projections are oneDNN's packed float32 product or, for bf16-stored weights, the
+// widening GEMV (bf16w_gemv).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -45,6 +49,7 @@ using AttentionQuant = at::Tensor(T, T, T, T, T, T, T, double, int64_t);
 using ArgmaxRowsMasked = at::Tensor(T, T);
 using QuantizeRowsInt8 = std::tuple<at::Tensor, at::Tensor>(T);
 using ScaleRows = at::Tensor(T, T, const OptTensor&, at::ScalarType);
+using WidenedGemv = at::Tensor(T, T, const OptTensor&);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("tokenmill_cpu::rms_norm");
@@ -62,6 +67,7 @@ struct Ops {
   c10::TypedOperatorHandle<QuantizeRowsInt8> quantize_rows_int8 =
       find_op<QuantizeRowsInt8>("tokenmill_cpu::quantize_rows_int8");
   c10::TypedOperatorHandle<ScaleRows> scale_rows = find_op<ScaleRows>("tokenmill_cpu::scale_rows");
+  c10::TypedOperatorHandle<WidenedGemv> bf16w_gemv = find_op<WidenedGemv>("tokenmill_cpu::bf16w_gemv");
 };
 
 // product(rows) for rows [m, K] -> [m, N], run on rows padded with zero rows to oneDNN's row count
@@ -73,13 +79,19 @@ at::Tensor in_onednn_rows(const at::Tensor& x, Product&& product) {
   return product(at::constant_pad_nd(x, {0, 0, 0, padded - m})).narrow(0, 0, m);
 }
 
+// w_ptr's marks for weights that are not a packed weight's address
+constexpr int64_t kOneDnnOnly = -1;  // oneDNN packed this weight in a layout the GEMV does not read
+constexpr int64_t kWidened = -2;     // a bf16-stored weight under float32 rows: the widening GEMV (bf16w_gemv)
+
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
 // packed_gemv_max_rows(K) rows, else oneDNN on the same packed weight.
 // w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
-// checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op; -1: oneDNN
-// always (oneDNN packed this weight in a layout the GEMV does not read)
+// checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op; kOneDnnOnly:
+// oneDNN always; kWidened: bf16w_gemv, as UnquantizedLinearMethod.apply calls it up to its rows (the callers
+// take no more rows than that)
 at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                   int64_t w_ptr) {
+  if (w_ptr == kWidened) return op.bf16w_gemv.call(x, w, bias);
   if (gemv && w_ptr >= 0 && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
     if (w_ptr == 0) return op.gemv.call(x, w, bias);
     TORCH_CHECK(w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1), "decode_layers: weight and x disagree on K");
@@ -203,7 +215,7 @@ at::Tensor routed_experts(const Ops& op, const at::Tensor& x, const at::Tensor* 
 // the qkv bias slot holds an empty tensor where the model has none
 OptTensor bias_or_none(const at::Tensor& t) { return t.numel() ? OptTensor(t) : OptTensor(); }
 
-// h: the embedded input rows [T, hidden] (bf16); it becomes the residual stream, updated in place as in
+// h: the embedded input rows [T, hidden] (bf16 or float32); it becomes the residual stream, updated in place as in
 // the Python loop. Returns the final norm of the last residual.
 // One bfloat16 row with k <= 2: routed_experts' arithmetic with plain loops where it calls an ATen op on
 // k or E numbers (top-k, renormalisation, scaling, the bf16 pair weight, the weighted sum into zeros), each
@@ -243,6 +255,43 @@ at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tens
     }
   }
   return out;
+}
+
+// the attention block of a layer over an unquantized cache, on raw pointers (decode_layers checked the tensors):
+// rotary on q and k in qkv's rows (q, then k, then v, qkv_row = q_size + 2 * kv_size elements a row), k and v
+// stored at their slots, decode attention into o [t, num_heads * head_dim]. E: uint16_t (bf16) or float.
+template <typename E>
+void attention_rows(E* q, const E* cos, const E* sin, const at::Tensor& cache, const int64_t* pos,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, E* o,
+                    int64_t t, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                    int64_t window) {
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_row = q_size + 2 * kv_size;
+  E* k = q + q_size;
+  const E* v = k + kv_size;
+  E* k_cache = static_cast<E*>(cache.data_ptr());  // [2, blocks, block_size, kv heads, head_dim]: K, then V
+  E* v_cache = k_cache + cache.stride(0);
+  const int64_t block_size = cache.size(2), num_slots = cache.size(1) * block_size;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const auto sc = static_cast<float>(scale);
+  if constexpr (std::is_same_v<E, float>) {
+    tokenmill::rotary_rows_f32(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+    tokenmill::rotary_rows_f32(k, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+  } else {
+    tokenmill::rotary_rows(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+    tokenmill::rotary_rows(k, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+  }
+  constexpr int64_t bytes = sizeof(E);
+  tokenmill::write_kv_rows(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), qkv_row * bytes,
+                           qkv_row * bytes, reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache),
+                           slot_mapping.data_ptr<int64_t>(), t, kv_size * bytes, num_slots);
+  if constexpr (std::is_same_v<E, float>) {
+    tokenmill::paged_decode_f32(q, qkv_row, head_dim, k_cache, v_cache, tables, lens, o, t, num_heads, num_kv_heads,
+                                head_dim, block_size, block_tables.size(1), sc, window);
+  } else {
+    tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, tables, lens, o, t, num_heads,
+                                 num_kv_heads, head_dim, block_size, block_tables.size(1), sc, window);
+  }
 }
 
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, const at::Tensor& cos,
@@ -286,14 +335,19 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
   const Ops& op = ops();
   const int64_t t = h_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_row = q_size + 2 * kv_size;
-  // the attention block takes raw pointers (tokenmill::rotary_rows, write_kv_rows, paged_decode_bf16, as
-  // the rotary_, write_kv_ and paged_decode ops do once they have checked their tensors): checked here once
-  TORCH_CHECK(h_in.scalar_type() == at::kBFloat16, "decode_layers: bfloat16 only");
+  // the attention block takes raw pointers (tokenmill::rotary_rows, write_kv_rows, paged_decode_bf16 and their
+  // float32 forms, as the rotary_, write_kv_ and paged_decode ops do once they have checked their tensors):
+  // checked here once
+  const bool f32 = h_in.scalar_type() == at::kFloat;
+  TORCH_CHECK(h_in.scalar_type() == at::kBFloat16 || f32, "decode_layers: bfloat16 or float32 rows only");
+  TORCH_CHECK(!f32 || (!kinds && kv_scales.empty() && sparse == 0),
+              "decode_layers: float32 rows take float projections, dense MLPs and a float32 cache only");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == t &&
               slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == t,
               "decode_layers: positions and slot_mapping must be contiguous int64 [T]");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.size(1) == head_dim, "decode_layers: cos/sin must be contiguous bfloat16 [P, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == h_in.scalar_type() && sin.scalar_type() == h_in.scalar_type() &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim,
+              "decode_layers: cos/sin must be contiguous [P, head_dim] of the rows' dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
               block_tables.size(0) == t &&
               seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == t,
@@ -301,19 +355,16 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0);
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "decode_layers: position out of range");
-  const auto* cos_p = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
-  const auto* sin_p = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
   at::Tensor h = h_in, residual;
   at::Tensor o = at::empty({t, q_size}, h_in.options());  // each layer's attention output, in turn
-  auto* o_p = reinterpret_cast<uint16_t*>(o.data_ptr<at::BFloat16>());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
     const at::Tensor& cache = kv_caches[l];  // [2, blocks, block_size, kv heads, head_dim]
     const bool quantized_kv = !kv_scales.empty();
-    TORCH_CHECK((quantized_kv || cache.scalar_type() == at::kBFloat16) && cache.is_contiguous() && cache.dim() == 5 &&
-                cache.size(0) == 2 && cache.size(3) * cache.size(4) == kv_size,
-                "decode_layers: each KV cache must be a contiguous [2, blocks, block_size, heads, head_dim], bfloat16 "
-                "or with its scales");
+    TORCH_CHECK((quantized_kv || cache.scalar_type() == h_in.scalar_type()) && cache.is_contiguous() &&
+                cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) * cache.size(4) == kv_size,
+                "decode_layers: each KV cache must be a contiguous [2, blocks, block_size, heads, head_dim], of the "
+                "rows' dtype or with its scales");
     at::Tensor x;
     if (l == 0) {
       residual = h;
@@ -325,13 +376,12 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
     const bool dense = w[5].numel() != 0;
     if (wp) wp += dense ? 4 : 2 + 2 * routing.num_experts;
     const at::Tensor qkv = project(op, x, w[1], bias_or_none(w[2]), gemv, lp ? lp[0] : 0, proj(l, 0));
-    auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>());
-    uint16_t* k = q + q_size;
-    const uint16_t* v = k + kv_size;
-    tokenmill::rotary_rows(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos_p, sin_p);
-    tokenmill::rotary_rows(k, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos_p, sin_p);
     at::Tensor attn = o;
-    if (quantized_kv) {
+    if (f32) {
+      attention_rows<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cache, pos,
+                            slot_mapping, block_tables, seq_lens, o.data_ptr<float>(), t, num_heads, num_kv_heads,
+                            head_dim, scale, window);
+    } else if (quantized_kv) {
       // the quantized cache's store and attention, as CpuBackend.write_kv / forward call them with the layer's
       // KVScales: q, k, v are the same strided views of qkv that the layer's split gives
       const at::Tensor k_view = qkv.as_strided({t, num_kv_heads, head_dim}, {qkv_row, head_dim, 1}, q_size);
@@ -342,15 +392,12 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
       attn = op.attention_quant.call(q_view, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale,
                                      window).view({t, q_size});
     } else {
-      auto* k_cache = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
-      uint16_t* v_cache = k_cache + cache.stride(0);
-      const int64_t block_size = cache.size(2), num_slots = cache.size(1) * block_size;
-      tokenmill::write_kv_rows(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), qkv_row * 2,
-                               qkv_row * 2, reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache),
-                               slot_mapping.data_ptr<int64_t>(), t, kv_size * 2, num_slots);
-      tokenmill::paged_decode_bf16(q, qkv_row, head_dim, k_cache, v_cache, block_tables.data_ptr<int32_t>(),
-                                   seq_lens.data_ptr<int32_t>(), o_p, t, num_heads, num_kv_heads, head_dim,
-                                   block_size, block_tables.size(1), static_cast<float>(scale), window);
+      attention_rows<uint16_t>(reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>()),
+                               reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>()),
+                               reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>()), cache, pos,
+                               slot_mapping, block_tables, seq_lens,
+                               reinterpret_cast<uint16_t*>(o.data_ptr<at::BFloat16>()), t, num_heads, num_kv_heads,
+                               head_dim, scale, window);
     }
     h = project(op, attn, w[3], OptTensor(), gemv, lp ? lp[1] : 0, proj(l, 1));
     x = op.rms_norm.call(h, w[4], eps, OptTensor(residual));
@@ -401,18 +448,28 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          bool norm_topk_prob, double routed_scaling_factor, const at::Tensor& lm_head,
                          const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr,
                          const OptTensor& bitmask) {
-  // the embedding's rows, copied as at::embedding copies them, without that op's per-call overhead
+  // the embedding's rows, copied as at::embedding copies them (and widened to float32 rows from a bf16 table,
+  // as layers.linear.Embedding does), without those ops' per-call overhead; the rows take cos's dtype
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
-  TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.is_contiguous() && embed.dim() == 2,
-              "decode_greedy: the embedding must be a contiguous bfloat16 [vocab, hidden]");
+  const bool widen = embed.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat;
+  TORCH_CHECK((embed.scalar_type() == cos.scalar_type() || widen) && embed.is_contiguous() && embed.dim() == 2,
+              "decode_greedy: the embedding must be a contiguous [vocab, hidden] of the rows' dtype, or bfloat16 "
+              "under float32 rows");
   const int64_t t = input_ids.size(0), vocab = embed.size(0), hidden = embed.size(1);
-  at::Tensor h = at::empty({t, hidden}, embed.options());
+  at::Tensor h = at::empty({t, hidden}, embed.options().dtype(cos.scalar_type()));
   const int64_t* ids = input_ids.data_ptr<int64_t>();
+  const int64_t row_bytes = hidden * static_cast<int64_t>(embed.element_size());
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "decode_greedy: token id ", ids[i], " out of range");
-    std::memcpy(h.data_ptr<at::BFloat16>() + i * hidden, embed.data_ptr<at::BFloat16>() + ids[i] * hidden,
-                hidden * sizeof(at::BFloat16));
+    const char* src = static_cast<const char*>(embed.data_ptr()) + ids[i] * row_bytes;
+    if (widen) {
+      const auto* bits = reinterpret_cast<const uint16_t*>(src);
+      float* dst = h.data_ptr<float>() + i * hidden;
+      for (int64_t j = 0; j < hidden; ++j) dst[j] = bf16_to_float(bits[j]);
+    } else {
+      std::memcpy(static_cast<char*>(h.data_ptr()) + i * row_bytes, src, row_bytes);
+    }
   }
   const at::Tensor x = decode_layers(h, positions, cos, sin, weights, gemv_ptrs, final_norm, kv_caches,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,

@@ -14,6 +14,9 @@ namespace tokenmill {
 // x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [P, d] at positions pos[t]
 void rotary_rows(uint16_t* x, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh, const int64_t* pos,
                  const uint16_t* cos, const uint16_t* sin);
+// the same on float32 rows (the rotary_ op's float32 form): x = x * cos + rotate_half(x) * sin
+void rotary_rows_f32(float* x, int64_t t, int64_t heads, int64_t d, int64_t st, int64_t sh, const int64_t* pos,
+                     const float* cos, const float* sin);
 
 // Stores t rows of keys and values (row_bytes each, at row strides k_stride/v_stride bytes) at their cache
 // slots (caches of num_slots slots of row_bytes); checks each slot is in range
@@ -26,6 +29,10 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_s
                        const uint16_t* vc, const int32_t* tables, const int32_t* lens, uint16_t* out, int64_t t,
                        int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks, float scale,
                        int64_t window);
+// the same over float32 queries and caches (the paged_decode op's float32 form)
+void paged_decode_f32(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* kc, const float* vc,
+                      const int32_t* tables, const int32_t* lens, float* out, int64_t t, int64_t hq, int64_t hk,
+                      int64_t dim, int64_t bs, int64_t max_blocks, float scale, int64_t window);
 
 // bytes of a [N, K] bf16 weight packed by oneDNN as AB16b64a2b (N padded to 64, K to 32)
 int64_t packed_gemv_bytes(int64_t N, int64_t K);
