@@ -174,3 +174,35 @@ def test_packed_heads_match_the_module(tmp_path: Path) -> None:
     saved_two = random_heads(layers=2)
     saved_two.save(tmp_path / "two")
     assert load_medusa_proposer(spec(tmp_path / "two", 2), TARGET, ops).packed is None
+
+
+@pytest.mark.parametrize("rows", [1, 6, 20])  # 20: past the widening GEMV's rows, the widened tiles
+def test_widened_heads_match_the_module_in_float32(tmp_path: Path, rows: int) -> None:
+    """Under a float32 target (an AVX2 CPU): the heads of a bf16 checkpoint kept in bf16 and widened by the C++
+    GEMV give the module's float32 logits up to summation order, and its drafts; heads whose weights are not
+    bf16 values keep the module."""
+    from tokenmill.kernels import load_cpu_kernels
+
+    ops = load_cpu_kernels()
+    if ops is None or int(ops.bf16w_gemv_max_rows()) == 0:
+        pytest.skip("needs the C++ kernels with the widening bf16 GEMV (AVX2)")
+    random_heads(seed=5, layers=1).save(tmp_path / "bf16")  # (saved in bf16)
+    proposer = load_medusa_proposer(spec(tmp_path / "bf16", HEADS), TARGET, None, widen_ops=ops)
+    assert proposer.packed is not None and proposer.packed.dtype == torch.float32
+    assert not proposer.packed.lm_head.packed and proposer.packed.lm_head.weight.dtype == torch.bfloat16
+    ref_heads = load_medusa_heads(tmp_path / "bf16")  # float32 in memory
+    hidden = torch.randn(rows, HIDDEN)
+    ref = ref_heads(hidden)
+    got = proposer.packed.logits(hidden)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4)
+    drafts = proposer.propose(proposal([str(i) for i in range(rows)], hidden))
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-3
+    expected = ref.argmax(-1).t().tolist()
+    for i in range(rows):
+        for j in range(HEADS):
+            if clear[j, i]:
+                assert drafts[str(i)][j] == expected[i][j], (i, j)
+    random_heads(seed=5, layers=1).save(tmp_path / "f32", dtype=torch.float32)
+    assert load_medusa_proposer(spec(tmp_path / "f32", HEADS), TARGET, None, widen_ops=ops).packed is None

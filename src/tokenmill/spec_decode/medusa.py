@@ -14,7 +14,9 @@ Where the target's hidden states are bf16 on the CPU and tokenmill's C++ kernels
 (one residual block each) run packed (`PackedHeads`): the k heads' blocks read the same h_t, so their
 weights are stacked into one packed [k * hidden, hidden] layer, and the lm_head takes the k rows in one
 packed call: two GEMV calls and an argmax a step, against the module's per-head calls (the reference
-the tests compare with).
+the tests compare with). Under a float32 target on a CPU without oneDNN's bf16 path (AVX2) the same two
+layers keep bf16-exact weights in bf16 and the widening GEMV multiplies them (half the bytes of the module's
+float32 weights, and the C++ argmax).
 
 The checkpoint is a directory in Hugging Face layout: ``config.json`` (``model_type`` "medusa",
 ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers`` residual blocks per head) and
@@ -134,28 +136,37 @@ def load_medusa_heads(path: str | Path) -> MedusaHeads:
 
 
 class PackedHeads:
-    """The first k heads of one residual block each, as two packed bf16 layers: the blocks' stacked
-    [k * hidden, hidden] weights (every head's block reads the same hidden state) and the lm_head."""
+    """The first k heads of one residual block each, as two bf16 layers: the blocks' stacked
+    [k * hidden, hidden] weights (every head's block reads the same hidden state) and the lm_head; packed for
+    oneDNN over bf16 hidden states (`dtype`), or kept in bf16 for the widening GEMV over float32 ones."""
 
-    def __init__(self, heads: MedusaHeads, k: int, ops: Any) -> None:
+    def __init__(self, heads: MedusaHeads, k: int, ops: Any, dtype: torch.dtype = torch.bfloat16) -> None:
         from tokenmill.layers.linear import UnquantizedLinearMethod, packed_linear
 
-        method = UnquantizedLinearMethod(ops)  # packed, with the GEMV where its probe passes
-        blocks: list[nn.Linear] = [head[0].linear for head in list(heads.heads)[:k]]  # type: ignore[index]
+        # packed, with the GEMV where its probe passes; or bf16-stored, widened by ops.bf16w_gemv
+        method = (UnquantizedLinearMethod(ops) if dtype == torch.bfloat16
+                  else UnquantizedLinearMethod(weight_dtype=torch.bfloat16, widen_ops=ops))
+        blocks = _blocks(heads, k)
         weight = torch.cat([b.weight.detach() for b in blocks]).to(torch.bfloat16)
         bias = torch.cat([b.bias.detach() for b in blocks]).to(torch.bfloat16)
         self.blocks = packed_linear(weight, bias, method=method)
         self.lm_head = packed_linear(heads.lm_head.weight.detach().to(torch.bfloat16), None, method=method)
-        self.k, self.hidden_size, self.ops = k, heads.config.hidden_size, ops
+        self.k, self.hidden_size, self.ops, self.dtype = k, heads.config.hidden_size, ops, dtype
 
     @classmethod
-    def create(cls, heads: MedusaHeads, k: int, ops: Any) -> PackedHeads | None:
-        """The packed heads, or None where they do not apply (no kernels, no packing, deeper heads)."""
+    def create(cls, heads: MedusaHeads, k: int, ops: Any, widen_ops: Any = None) -> PackedHeads | None:
+        """The packed heads over bf16 hidden states (with `ops`, where oneDNN packs bf16), else over float32 ones
+        (with `widen_ops`, where the widening GEMV is built and every weight is bf16-exact), or None where neither
+        applies (or the heads are deeper than one block)."""
         from tokenmill.layers.linear import packing_available
 
-        if ops is None or not packing_available() or heads.config.num_hidden_layers != 1:
+        if heads.config.num_hidden_layers != 1:
             return None
-        return cls(heads, k, ops)
+        if ops is not None and packing_available():
+            return cls(heads, k, ops)
+        if widen_ops is not None and int(widen_ops.bf16w_gemv_max_rows()) > 0 and _bf16_exact(heads, k):
+            return cls(heads, k, widen_ops, torch.float32)
+        return None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[k, rows, vocab] bf16 logits of the k heads, as MedusaHeads.forward(hidden, k) computes them."""
@@ -171,19 +182,32 @@ class PackedHeads:
         return [ids[i::rows] for i in range(rows)]
 
 
+def _blocks(heads: MedusaHeads, k: int) -> list[nn.Linear]:
+    """The first k heads' (only) residual blocks' linear layers."""
+    return [head[0].linear for head in list(heads.heads)[:k]]  # type: ignore[index]
+
+
+def _bf16_exact(heads: MedusaHeads, k: int) -> bool:
+    """Whether the first k heads' weights and the lm_head are bf16 values (a bf16 checkpoint's), so that storing
+    them in bf16 changes nothing."""
+    tensors = [heads.lm_head.weight] + [t for b in _blocks(heads, k) for t in (b.weight, b.bias)]
+    return all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype)) for t in tensors)
+
+
 class MedusaProposer:
     """Drafts the chain of the first k heads' argmaxes from each request's newest hidden state."""
 
     needs_hidden_states = True
 
-    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int, ops: Any = None) -> None:
+    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int, ops: Any = None,
+                 widen_ops: Any = None) -> None:
         if not 1 <= num_speculative_tokens <= heads.config.num_heads:
             raise ValueError(f"num_speculative_tokens is {num_speculative_tokens}; these medusa heads "
                              f"propose 1 to {heads.config.num_heads} tokens")
         self.heads = heads.requires_grad_(False)
         self.k = num_speculative_tokens
-        # the packed path for bf16 hidden states on the CPU (None: the module for every step)
-        self.packed = PackedHeads.create(self.heads, self.k, ops)
+        # the packed path for bf16 (or, widened, float32) hidden states on the CPU (None: the module for every step)
+        self.packed = PackedHeads.create(self.heads, self.k, ops, widen_ops)
 
     @torch.inference_mode()
     def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
@@ -200,7 +224,7 @@ class MedusaProposer:
             return {}
         if len(rows) < len(limits):
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
-        if self.packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+        if self.packed is not None and hidden.dtype == self.packed.dtype and hidden.device.type == "cpu":
             chains = self.packed.drafts(hidden.contiguous())
             return {batch.req_ids[i]: d[:limits[i]] for i, d in zip(rows, chains, strict=True)}
         weight = self.heads.lm_head.weight
@@ -211,10 +235,12 @@ class MedusaProposer:
         return {batch.req_ids[i]: d[:limits[i]] for i, d in zip(rows, drafts, strict=True)}
 
 
-def load_medusa_proposer(spec_config: Any, target_model_config: Any, ops: Any = None) -> MedusaProposer:
+def load_medusa_proposer(spec_config: Any, target_model_config: Any, ops: Any = None,
+                         widen_ops: Any = None) -> MedusaProposer:
     """The proposer for ``spec_config`` (``.model``: the heads' directory, ``.num_speculative_tokens``),
     checked against the target's model config (its ``hidden_size`` and ``vocab_size``: the HF config or
-    tokenmill's ArchConfig); ops: tokenmill's C++ CPU kernels, for the packed path."""
+    tokenmill's ArchConfig); ops: tokenmill's C++ CPU kernels, for the packed path; widen_ops: the same kernels
+    under a float32 target, for its widened form."""
     path = getattr(spec_config, "model", None)
     if not path:
         raise ValueError("speculative_config: method 'medusa' needs 'model', the directory of the medusa heads")
@@ -225,4 +251,4 @@ def load_medusa_proposer(spec_config: Any, target_model_config: Any, ops: Any = 
         if getattr(cfg, name) != target:
             raise ValueError(f"medusa heads at {path} have {name} {getattr(cfg, name)}, the target model's is "
                              f"{target}: train heads for this target (tools/train_medusa.py)")
-    return MedusaProposer(heads, int(spec_config.num_speculative_tokens), ops)
+    return MedusaProposer(heads, int(spec_config.num_speculative_tokens), ops, widen_ops)
