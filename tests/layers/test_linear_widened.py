@@ -31,7 +31,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.skipif(not HAS_GEMV, reason="the C++ kernels with AVX2/FMA are not built here")
-@pytest.mark.parametrize("rows", [0, 1, 3, 8, 13, 64])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 13, 16, 64])  # over 8: weight rows in pairs
 @pytest.mark.parametrize("k", [7, 64, 300])
 def test_bf16w_gemv_matches_linear_over_the_widened_weight(rows: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + k)

@@ -87,6 +87,51 @@ void row<1>(const float* x, int64_t, const uint16_t* w, int64_t K, float* out) {
   out[0] = s;
 }
 
+// the most rows of x taken against a pair of weight rows at once: 2 * 6 accumulators, the pair's two slices and
+// one slice of x fill the 16 ymm registers
+constexpr int64_t kPairRows = 6;
+
+// M rows of x against two weight rows, w and w + K: each slice of x loaded once feeds both, so that more
+// than one row of x is bound by the FMAs rather than by the loads. out[m] for w, out[M + m] for w + K.
+template <int M>
+void row_pair(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) {
+  const uint16_t* v = w + K;
+  __m256 a[M], b[M];
+  for (int m = 0; m < M; ++m) a[m] = b[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if ((k & 31) == 0) {
+      prefetch(w + k + kPrefetch);
+      prefetch(v + k + kPrefetch);
+    }
+    const __m256 w0 = widen8(w + k), w1 = widen8(v + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xm = _mm256_loadu_ps(x + m * ldx + k);
+      a[m] = _mm256_fmadd_ps(w0, xm, a[m]);
+      b[m] = _mm256_fmadd_ps(w1, xm, b[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = hsum(a[m]), t = hsum(b[m]);
+    for (int64_t j = k; j < K; ++j) {
+      s += widen1(w[j]) * x[m * ldx + j];
+      t += widen1(v[j]) * x[m * ldx + j];
+    }
+    out[m] = s;
+    out[M + m] = t;
+  }
+}
+
+inline void pair_chunk(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t m, float* out) {
+  switch (m) {
+    case 2: row_pair<2>(x, ldx, w, K, out); break;
+    case 3: row_pair<3>(x, ldx, w, K, out); break;
+    case 4: row_pair<4>(x, ldx, w, K, out); break;
+    case 5: row_pair<5>(x, ldx, w, K, out); break;
+    default: row_pair<6>(x, ldx, w, K, out); break;
+  }
+}
+
 // rows m0 .. m0 + m of x against weight row w (m <= 8)
 inline void rows_chunk(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t m, float* out) {
   switch (m) {
@@ -119,10 +164,26 @@ at::Tensor bf16w_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   if (M == 0) return y;
-  // each weight row is read from memory once; over 8 rows of x, the chunks after the first find it in L1
+  // each weight row is read from memory once; over more rows of x than one pass takes, the passes after the
+  // first find it in L1. More than 8 rows of x take the weight rows in pairs, the rows of x in as few chunks of
+  // at most kPairRows as cover them, evenly sized; up to 8, one weight row at a time, which reads from memory at
+  // a higher rate there (two streams a pair did not, bench/README.md).
+  const int64_t chunks = (M + kPairRows - 1) / kPairRows;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    float out[8];
-    for (int64_t n = n0; n < n1; ++n) {
+    float out[2 * kPairRows];
+    int64_t n = n0;
+    for (; M > 8 && n + 2 <= n1; n += 2) {
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int64_t m = M / chunks + (c < M % chunks ? 1 : 0);
+        pair_chunk(xp + m0 * ldx, ldx, wp + n * K, K, m, out);
+        for (int64_t i = 0; i < m; ++i) {
+          yp[(m0 + i) * N + n] = out[i] + (bp ? bp[n] : 0.0f);
+          yp[(m0 + i) * N + n + 1] = out[m + i] + (bp ? bp[n + 1] : 0.0f);
+        }
+        m0 += m;
+      }
+    }
+    for (; n < n1; ++n) {
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t m = std::min<int64_t>(8, M - m0);
         rows_chunk(xp + m0 * ldx, ldx, wp + n * K, K, m, out);
