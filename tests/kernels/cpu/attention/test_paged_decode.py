@@ -67,25 +67,31 @@ CTX = [1, 5, 16, 17, 31, 48, 100, 257, 770]
 
 
 @pytest.mark.parametrize("hq,hk,dim", [(12, 4, 64), (32, 4, 64), (12, 4, 128), (32, 4, 128), (4, 4, 64),
-                                       (16, 1, 64), (10, 2, 32)])
-def test_engine_shapes(hq: int, hk: int, dim: int) -> None:
-    _check(CTX, hq, hk, dim)
+                                       (16, 1, 64), (10, 2, 32), (6, 1, 128), (8, 2, 64)])
+# float32: the AVX2 kernel for head sizes of 64 and 128 (groups of 4 heads and the rest one at a time), the
+# generic one for others
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_engine_shapes(hq: int, hk: int, dim: int, dtype: torch.dtype) -> None:
+    _check(CTX, hq, hk, dim, dtype=dtype)
 
 
-def test_long_single_context() -> None:
-    _check([2000], 12, 4, 64)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_long_single_context(dtype: torch.dtype) -> None:
+    _check([2000], 12, 4, 64, dtype=dtype)
 
 
 @pytest.mark.parametrize("window", [1, 15, 16, 40, 500])
-def test_sliding_window(window: int) -> None:
-    _check(CTX, 12, 4, 64, window=window)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sliding_window(window: int, dtype: torch.dtype) -> None:
+    _check(CTX, 12, 4, 64, window=window, dtype=dtype)
 
 
 @pytest.mark.parametrize("block_size", [8, 32, 48, 64, 128])
-def test_other_block_sizes(block_size: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_other_block_sizes(block_size: int, dtype: torch.dtype) -> None:
     """Blocks of several 16-row tiles (64: the CPU default) prefetch tile by tile; a window of 70
     starts reading mid-block."""
-    _check(CTX, 12, 4, 64, block_size=block_size, window=70 if block_size in (48, 64) else None)
+    _check(CTX, 12, 4, 64, block_size=block_size, window=70 if block_size in (48, 64) else None, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -93,14 +99,16 @@ def test_strided_q(dtype: torch.dtype) -> None:
     _check(CTX, 12, 4, 64, dtype=dtype, strided_q=True)
 
 
-def test_large_scores() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_large_scores(dtype: torch.dtype) -> None:
     # scores far apart (a peaked softmax) exercise the rescaling of the running max
     torch.manual_seed(1)
-    k_cache, v_cache, table, meta = _batch([300, 40], 16, 2, 64, torch.bfloat16, 1)
+    k_cache, v_cache, table, meta = _batch([300, 40], 16, 2, 64, dtype, 1)
     k_cache.mul_(8)
-    q = (torch.randn(2, 4, 64) * 4).to(torch.bfloat16)
+    q = (torch.randn(2, 4, 64) * 4).to(dtype)
     lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
     got = OPS.paged_decode(q, k_cache, v_cache, table, lens, 0.125, 0)
-    empty = torch.empty(0, 2, 64, dtype=torch.bfloat16)
+    empty = torch.empty(0, 2, 64, dtype=dtype)
     expected = get_backend("torch_ref").forward(q, empty, empty, k_cache, v_cache, meta, 0.125)
-    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

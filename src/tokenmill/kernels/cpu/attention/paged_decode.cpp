@@ -14,7 +14,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -136,6 +136,96 @@ void decode(const T* q, int64_t q_seq_stride, int64_t q_head_stride, const T* kc
     }
   });
 }
+
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_F32_AVX2 1
+// the four sums of a, b, c, d
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+inline float hsum1(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// float32 caches with a head size that is a multiple of 64, on AVX2: decode<float, DIM>'s blocks, online softmax
+// (softmax_block) and order of keys, with the K and V rows read in place, each key scored against four heads of
+// its GQA group at a time (one load of the key for four products), and each head's output accumulated in
+// registers, 64 columns at a time, over a block's V rows.
+template <int64_t DIM>
+void decode_f32_avx2(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* kc, const float* vc,
+                     const int32_t* tables, const int32_t* lens, float* out, int64_t num_seqs, int64_t hq, int64_t hk,
+                     int64_t bs, int64_t max_blocks, float scale, int64_t window) {
+  static_assert(DIM % 64 == 0, "64 columns at a time");
+  constexpr int64_t NV = DIM / 8;  // vectors a head row
+  const int64_t group = hq / hk, row_len = hk * DIM;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(hq * DIM), acc(hq * DIM), s(hq * bs), m(hq), l(hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t h = 0; h < hq; ++h) {
+        const float* qh = q + b * q_seq_stride + h * q_head_stride;
+        for (int64_t d = 0; d < DIM; ++d) qf[h * DIM + d] = qh[d] * scale;
+      }
+      reset(acc, m, l);
+      for_each_block(tables + b * max_blocks, kc, vc, bs, row_len, start, len, [&](int64_t base, int64_t n) {
+        for (int64_t kh = 0; kh < hk; ++kh) {
+          const float* qg = qf.data() + kh * group * DIM;
+          float* sg = s.data() + kh * group * bs;
+          for (int64_t j = 0; j < n; ++j) {
+            const float* k = kc + base + j * row_len + kh * DIM;
+            int64_t g = 0;
+            for (; g + 4 <= group; g += 4) {
+              __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+              const float* q0 = qg + g * DIM;
+              for (int64_t v = 0; v < NV; ++v) {
+                const __m256 kv = _mm256_loadu_ps(k + 8 * v);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 8 * v), kv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + DIM + 8 * v), kv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * DIM + 8 * v), kv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * DIM + 8 * v), kv, a3);
+              }
+              alignas(16) float four[4];
+              _mm_store_ps(four, hsum4(a0, a1, a2, a3));
+              for (int64_t i = 0; i < 4; ++i) sg[(g + i) * bs + j] = four[i];
+            }
+            for (; g < group; ++g) {
+              __m256 a = _mm256_setzero_ps();
+              for (int64_t v = 0; v < NV; ++v) {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * DIM + 8 * v), _mm256_loadu_ps(k + 8 * v), a);
+              }
+              sg[g * bs + j] = hsum1(a);
+            }
+          }
+        }
+        tokenmill::softmax_block(s.data(), bs, n, hq, DIM, m.data(), l.data(), acc.data());
+        for (int64_t h = 0; h < hq; ++h) {
+          const float* vh = vc + base + (h / group) * DIM;
+          const float* p = s.data() + h * bs;
+          for (int64_t d0 = 0; d0 < DIM; d0 += 64) {
+            float* a = acc.data() + h * DIM + d0;
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(a + 8 * i);
+            for (int64_t j = 0; j < n; ++j) {
+              const __m256 pj = _mm256_set1_ps(p[j]);
+              const float* v = vh + j * row_len + d0;
+              for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), r[i]);
+            }
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(a + 8 * i, r[i]);
+          }
+        }
+      });
+      normalize(acc.data(), l.data(), hq, DIM);
+      store_row(acc.data(), out + b * hq * DIM, hq * DIM);
+    }
+  });
+}
+#endif
 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -501,6 +591,13 @@ void tokenmill::paged_decode_f32(const float* q, int64_t q_seq_stride, int64_t q
                                  const float* vc, const int32_t* tables, const int32_t* lens, float* out, int64_t t,
                                  int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks, float scale,
                                  int64_t window) {
+#if defined(TOKENMILL_F32_AVX2)
+  if (dim == 64 || dim == 128) {
+    auto fast = dim == 64 ? decode_f32_avx2<64> : decode_f32_avx2<128>;
+    fast(q, q_seq_stride, q_head_stride, kc, vc, tables, lens, out, t, hq, hk, bs, max_blocks, scale, window);
+    return;
+  }
+#endif
   auto kernel = dim == 64 ? decode<float, 64> : dim == 128 ? decode<float, 128> : decode<float, 0>;
   kernel(q, q_seq_stride, q_head_stride, kc, vc, tables, lens, out, t, hq, hk, dim, bs, max_blocks, scale, window);
 }
