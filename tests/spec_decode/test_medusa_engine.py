@@ -101,3 +101,22 @@ def test_heads_for_another_model_are_one_clear_error_at_start(llama_dir: str) ->
         LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", speculative_config=medusa(HEADS, 2))
     with pytest.raises(ValueError, match="num_speculative_tokens is 5; these medusa heads propose 1 to 4"):
         LLM(str(DEMO), dtype="float32", kv_cache_memory="8MiB", speculative_config=medusa(HEADS, 5))
+
+
+def test_greedy_steps_keep_the_hidden_states_through_the_fused_calls() -> None:
+    """With a proposer that reads hidden states, plain greedy steps and verification steps run the fused forward
+    and then the fused lm_head and argmax over its hidden states (kept for the heads), not compute_logits and the
+    sampler; the tokens are those of no speculation."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(DEMO), speculative_config={**medusa(HEADS, 2), "adaptive": False}, kv_cache_memory="16MiB")
+    fused = llm.engine.core.executor.runner.fused_decode
+    if fused is None:
+        pytest.skip("no fused decode step on this CPU")
+    calls: Counter[str] = Counter()
+    for name in ("greedy", "greedy_from_hidden"):
+        method = getattr(fused, name)
+        setattr(fused, name, lambda *a, _m=method, _n=name, **k: (calls.update([_n]), _m(*a, **k))[1])
+    spec, _ = generate(llm, PROMPTS[:3], [greedy] * 3)
+    plain, _ = generate(LLM(str(DEMO), kv_cache_memory="16MiB"), PROMPTS[:3], [greedy] * 3)
+    assert spec == plain
+    assert calls["greedy_from_hidden"] >= 8 and calls["greedy"] == 0, calls

@@ -313,19 +313,20 @@ class ModelRunner:
         elif fused is not None and rows is None and fused.applies(meta, len(step.input_ids)):
             # every row of the step greedy (over its bitmask's tokens): the fused calls give its tokens
             argmax = sampling if (greedy and len(step.logits_indices) == len(step.input_ids)
-                                  and not step.prompt_lp_rows and not keep_hidden) else None
+                                  and not step.prompt_lp_rows) else None
             ids = None
-            if argmax is not None and argmax.bitmask_ready:
+            if argmax is not None and argmax.bitmask_ready and not keep_hidden:
                 argmax.await_bitmask()
                 ids = fused.greedy(input_ids, positions, meta, argmax.bitmask)  # the whole step in one call
             if ids is None:
                 hidden = fused.forward(input_ids, positions, meta)
                 if argmax is not None:
-                    # bitmasks still being filled when the step began: the forward first, then the lm_head and
-                    # argmax in one call once they are in
+                    # bitmasks still being filled when the step began, or a proposer that reads the hidden
+                    # states: the forward first, then the lm_head and argmax in one call
                     argmax.await_bitmask()
                     ids = fused.greedy_from_hidden(hidden, argmax.bitmask)
             if ids is not None and argmax is not None:  # each row's token
+                self._hidden = hidden if keep_hidden else None  # (every row sampled, in order)
                 self._record(step, out, self.sampler.from_argmax(ids.tolist(), argmax))
                 return out
         elif self.pp.size > 1:
