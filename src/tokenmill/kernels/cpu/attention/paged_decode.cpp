@@ -137,6 +137,15 @@ void decode(const T* q, int64_t q_seq_stride, int64_t q_head_stride, const T* kc
   });
 }
 
+// decode<T, DIM> with the head size fixed at compile time where it is 64 or 128
+template <typename T>
+void decode_any_dim(const T* q, int64_t q_seq_stride, int64_t q_head_stride, const T* kc, const T* vc,
+                    const int32_t* tables, const int32_t* lens, T* out, int64_t num_seqs, int64_t hq, int64_t hk,
+                    int64_t dim, int64_t bs, int64_t max_blocks, float scale, int64_t window) {
+  auto kernel = dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
+  kernel(q, q_seq_stride, q_head_stride, kc, vc, tables, lens, out, num_seqs, hq, hk, dim, bs, max_blocks, scale,
+         window);
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define TOKENMILL_F32_AVX2 1
@@ -573,8 +582,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    auto kernel = dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
-    kernel(q.data_ptr<T>(), q.stride(0), q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int32_t>(),
+    decode_any_dim<T>(q.data_ptr<T>(), q.stride(0), q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int32_t>(),
               lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), hq, hk, dim, bs, tables.size(1),
               static_cast<float>(scale), window);
   };
@@ -598,8 +606,8 @@ void tokenmill::paged_decode_f32(const float* q, int64_t q_seq_stride, int64_t q
     return;
   }
 #endif
-  auto kernel = dim == 64 ? decode<float, 64> : dim == 128 ? decode<float, 128> : decode<float, 0>;
-  kernel(q, q_seq_stride, q_head_stride, kc, vc, tables, lens, out, t, hq, hk, dim, bs, max_blocks, scale, window);
+  decode_any_dim(q, q_seq_stride, q_head_stride, kc, vc, tables, lens, out, t, hq, hk, dim, bs, max_blocks, scale,
+                 window);
 }
 
 void tokenmill::paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_stride, const uint16_t* kc,
@@ -618,8 +626,8 @@ void tokenmill::paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64
     return;
   }
 #endif
-  auto kernel = dim == 64 ? decode<B, 64> : dim == 128 ? decode<B, 128> : decode<B, 0>;
-  kernel(qb, q_seq_stride, q_head_stride, kb, vb, tables, lens, ob, t, hq, hk, dim, bs, max_blocks, scale, window);
+  decode_any_dim(qb, q_seq_stride, q_head_stride, kb, vb, tables, lens, ob, t, hq, hk, dim, bs, max_blocks, scale,
+                 window);
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -122,28 +123,24 @@ void row_pair(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* 
   }
 }
 
-inline void pair_chunk(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t m, float* out) {
-  switch (m) {
-    case 2: row_pair<2>(x, ldx, w, K, out); break;
-    case 3: row_pair<3>(x, ldx, w, K, out); break;
-    case 4: row_pair<4>(x, ldx, w, K, out); break;
-    case 5: row_pair<5>(x, ldx, w, K, out); break;
-    default: row_pair<6>(x, ldx, w, K, out); break;
+// f(std::integral_constant<int, m>) for a row count m in [M, MAX] (MAX for any larger m): the templates' row
+// counts chosen at run time
+template <int M, int MAX, typename F>
+inline void with_rows(int64_t m, F&& f) {
+  if constexpr (M < MAX) {
+    if (m != M) return with_rows<M + 1, MAX>(m, f);
   }
+  f(std::integral_constant<int, M>{});
+}
+
+// m (2 <= m <= kPairRows) rows of x against weight rows w and w + K
+inline void pair_chunk(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t m, float* out) {
+  with_rows<2, kPairRows>(m, [&](auto rows) { row_pair<decltype(rows)::value>(x, ldx, w, K, out); });
 }
 
 // rows m0 .. m0 + m of x against weight row w (m <= 8)
 inline void rows_chunk(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t m, float* out) {
-  switch (m) {
-    case 1: row<1>(x, ldx, w, K, out); break;
-    case 2: row<2>(x, ldx, w, K, out); break;
-    case 3: row<3>(x, ldx, w, K, out); break;
-    case 4: row<4>(x, ldx, w, K, out); break;
-    case 5: row<5>(x, ldx, w, K, out); break;
-    case 6: row<6>(x, ldx, w, K, out); break;
-    case 7: row<7>(x, ldx, w, K, out); break;
-    default: row<8>(x, ldx, w, K, out); break;
-  }
+  with_rows<1, 8>(m, [&](auto rows) { row<decltype(rows)::value>(x, ldx, w, K, out); });
 }
 
 at::Tensor bf16w_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
