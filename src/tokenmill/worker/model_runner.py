@@ -114,7 +114,7 @@ class ModelRunner:
         self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
         self._hidden: torch.Tensor | None = None  # the sampled rows' hidden states, for a proposer that needs them
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it
-        self.fused_decode = FusedDecode.create(model, ops, backend)
+        self.fused_decode = FusedDecode.create(model, ops, backend, config.device.cpu_kernels)
         # on a GPU, pure-decode steps replay CUDA graphs (off with --enforce-eager)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager and graphable(model, backend):

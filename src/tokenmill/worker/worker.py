@@ -7,6 +7,7 @@ executor/worker contract."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -151,7 +152,8 @@ class Worker:
             return
         proposer = None
         if spec is not None:
-            ctx = ProposerContext(self.config, self.device, self.ops, FusedDecode.create, self._float_linear_method,
+            fused = functools.partial(FusedDecode.create, cpu_kernels=self.config.device.cpu_kernels)
+            ctx = ProposerContext(self.config, self.device, self.ops, fused, self._float_linear_method,
                                   self._fuse_elementwise)
             proposer = create_proposer(spec, ctx)
             logger.info("speculative decoding: %s, up to %d draft tokens a step", spec.method,

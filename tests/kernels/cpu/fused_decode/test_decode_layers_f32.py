@@ -128,6 +128,9 @@ def test_float32_rows_decline_what_the_kernel_takes_in_bf16_only(bf16_dirs: dict
     assert _llm(bf16_dirs["llama-gqa2-tied"], quantization="int8").engine.core.executor.runner.fused_decode is None
     assert _llm(bf16_dirs["llama-gqa2-tied"],
                 kv_cache_dtype="int8").engine.core.executor.runner.fused_decode is None
+    # --no-cpu-kernels: the layers run torch's ops, so neither does the fused call (the cpu backend asked for)
+    assert _llm(bf16_dirs["llama-gqa2-tied"], cpu_kernels=False,
+                attention_backend="cpu").engine.core.executor.runner.fused_decode is None
 
 
 def test_the_kernel_checks_float32_rows(bf16_dirs: dict[str, str]) -> None:
