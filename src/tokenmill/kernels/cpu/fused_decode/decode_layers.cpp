@@ -92,7 +92,7 @@ constexpr int64_t kWidened = -2;     // a bf16-stored weight under float32 rows:
 at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                   int64_t w_ptr) {
   if (w_ptr == kWidened) return op.bf16w_gemv.call(x, w, bias);
-  if (gemv && w_ptr >= 0 && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
+  if (gemv && w_ptr != kOneDnnOnly && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
     if (w_ptr == 0) return op.gemv.call(x, w, bias);
     TORCH_CHECK(w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1), "decode_layers: weight and x disagree on K");
     return tokenmill::packed_gemv_at(reinterpret_cast<const uint16_t*>(w_ptr), x, w.size(0), bias);
