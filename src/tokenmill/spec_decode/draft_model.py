@@ -111,7 +111,7 @@ class DraftModelProposer:
                 layers[name].bind(tensor[i], backend)
         return cls(spec.num_speculative_tokens, model, backend, kv_config, ctx.device,
                    min(arch.max_position_embeddings, cfg.model.max_model_len),
-                   ctx.fused_decode(model, ctx.ops, backend) if ctx.fused_decode is not None else None)
+                   ctx.fused_decode(model, ctx.kernels, backend) if ctx.fused_decode is not None else None)
 
     @property
     def num_free_blocks(self) -> int:

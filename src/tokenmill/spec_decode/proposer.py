@@ -46,6 +46,8 @@ class ProposerContext:
     # UnquantizedLinearMethod(ops) and use_cpu_kernels(model, ops)
     linear_method: Callable[[], Any] | None = None
     fuse_elementwise: Callable[[Any], None] | None = None
+    # the C++ kernels wherever the target's worker uses them: `ops`, or the same library under a float32 model
+    kernels: Any = None
 
 
 class Proposer(Protocol):

@@ -39,13 +39,8 @@ def _medusa(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
             raise
         raise ValueError("speculative_config: method 'medusa' is not available in this build "
                          "(tokenmill.spec_decode.medusa is missing)") from None
-    cfg = ctx.engine_config
-    widen_ops = None  # a float32 target on a CPU: the heads' widened form, with the C++ kernels
-    if ctx.ops is None and ctx.device.type == "cpu" and cfg.model.dtype == "float32" and cfg.device.cpu_kernels:
-        from tokenmill.kernels import load_cpu_kernels
-
-        widen_ops = load_cpu_kernels()
-    proposer: Proposer = medusa.load_medusa_proposer(spec, cfg.model.arch, ctx.ops, widen_ops)
+    widen_ops = ctx.kernels if ctx.ops is None else None  # a float32 target on a CPU: the heads' widened form
+    proposer: Proposer = medusa.load_medusa_proposer(spec, ctx.engine_config.model.arch, ctx.ops, widen_ops)
     return proposer
 
 

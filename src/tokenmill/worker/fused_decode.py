@@ -143,16 +143,11 @@ class FusedDecode:
         self.max_rows = rows if self.max_rows is None else min(self.max_rows, rows)
 
     @classmethod
-    def create(cls, model: Any, ops: Any, backend: Any, cpu_kernels: bool = True) -> FusedDecode | None:
-        """The fused path for this model on this backend, or None where it does not apply. Without `ops` (a
-        float32 model's worker has none), the backend's, the same kernels, where `cpu_kernels` allows them (the
-        engine's --cpu-kernels, under which the model's float32 elementwise layers take them too)."""
-        if not isinstance(backend, CpuBackend) or backend.ops is None:
+    def create(cls, model: Any, ops: Any, backend: Any) -> FusedDecode | None:
+        """The fused path for this model on this backend (`ops`: the C++ kernels the model's layers take, bf16
+        or float32), or None where it does not apply."""
+        if ops is None or not isinstance(backend, CpuBackend) or backend.ops is None:
             return None
-        if ops is None:
-            if not cpu_kernels:
-                return None
-            ops = backend.ops
         if not isinstance(model, SupportsDecoderLayout):
             return None
         layout = model.decoder_layout()

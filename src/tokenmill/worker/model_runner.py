@@ -100,7 +100,7 @@ class ModelRunner:
         # an earlier stage's steps whose sampled tokens it has not taken yet, oldest first
         self._tokens_behind: deque[_TokensBehind] = deque()
         self.model = model
-        self.backend = backend
+        self.backend = backend  # (ops: tokenmill's C++ kernels where the worker uses them, bf16 or float32 model)
         self.device = torch.device(config.device.device)
         self.block_size = kv_config.block_size
         self.kv_caches = kv_caches
@@ -109,12 +109,11 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.failed: dict[str, str] = {}  # requests whose state could not be built, until they finish
         self.sampling = SamplingTable(config.model.arch.eos_token_ids)  # the states' sampling parameters, one row each
-        # (a float32 model has no worker ops; the cpu backend's kernels take its argmax)
-        self.sampler = Sampler(ops if ops is not None else getattr(backend, "ops", None))
+        self.sampler = Sampler(ops)
         self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
         self._hidden: torch.Tensor | None = None  # the sampled rows' hidden states, for a proposer that needs them
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it
-        self.fused_decode = FusedDecode.create(model, ops, backend, config.device.cpu_kernels)
+        self.fused_decode = FusedDecode.create(model, ops, backend)
         # on a GPU, pure-decode steps replay CUDA graphs (off with --enforce-eager)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager and graphable(model, backend):

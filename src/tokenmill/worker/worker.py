@@ -7,7 +7,6 @@ executor/worker contract."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from typing import Any
@@ -69,8 +68,11 @@ class Worker:
         the linear layers, elementwise layers and attention take them; on a float32 CPU model, the elementwise
         layers."""
         cfg = self.config
-        use_ops = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.device.cpu_kernels
-        self.ops: Any = load_cpu_kernels() if use_ops else None
+        # tokenmill's C++ kernels wherever this worker may use them (a CPU, --cpu-kernels), any dtype; `ops`: the
+        # same where the model runs in bf16 (the packed linear layers' GEMV, the fused bf16 layers)
+        use_kernels = self.device.type == "cpu" and cfg.device.cpu_kernels
+        self.kernels: Any = load_cpu_kernels() if use_kernels else None
+        self.ops: Any = self.kernels if self.dtype == torch.bfloat16 else None
         self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
                                      self._linear_method(), self.tp, self.pp)
         self._fuse_elementwise(self.model)
@@ -88,18 +90,15 @@ class Worker:
         """A model's norms, rotary and SiLU-and-mul through the C++ fused ops on a CPU: bf16 activations with
         the worker's ops, float32 ones (the fused ops take those too) where the model runs in float32."""
         use_cpu_kernels(model, self.ops)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and self.config.device.cpu_kernels:
-            kernels = load_cpu_kernels()
-            if kernels is not None:
-                use_cpu_kernels(model, kernels, dtypes=(torch.float32,))
+        if self.dtype == torch.float32 and self.kernels is not None:
+            use_cpu_kernels(model, self.kernels, dtypes=(torch.float32,))
 
     def _float_linear_method(self) -> LinearMethod:
         """The unquantized method for this worker's models: on an AVX2 CPU running a bf16 checkpoint in
         float32 (ModelConfig.linear_weight_dtype), weights kept in bf16 and widened by the C++ GEMV."""
         if self.config.model.linear_weight_dtype == "bfloat16":
-            kernels = load_cpu_kernels()
-            if kernels is not None and int(kernels.bf16w_gemv_max_rows()) > 0:
-                return UnquantizedLinearMethod(self.ops, weight_dtype=torch.bfloat16, widen_ops=kernels)
+            if self.kernels is not None and int(self.kernels.bf16w_gemv_max_rows()) > 0:
+                return UnquantizedLinearMethod(self.ops, weight_dtype=torch.bfloat16, widen_ops=self.kernels)
             # without the C++ GEMV every decode step would widen every weight: float32 weights run faster
             # (the byte counts of ModelCost still take the weights as bf16)
             logger.warning("the C++ bf16 GEMV is not built here: the linear layers keep float32 weights")
@@ -110,8 +109,7 @@ class Worker:
         quant = self.config.model.quantization
         if quant is None:
             return self._float_linear_method()
-        use_quant_ops = self.device.type == "cpu" and self.config.device.cpu_kernels
-        return QuantizedLinearMethod(quant, load_cpu_kernels() if use_quant_ops else None, self.ops)
+        return QuantizedLinearMethod(quant, self.kernels, self.ops)
 
     def weight_bytes(self) -> int:
         """Bytes of the loaded model's parameters (a tied tensor once), as they sit in memory."""
@@ -141,7 +139,8 @@ class Worker:
         bind_kv_caches(self.model, caches, self.backend)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", kv_config.num_blocks,
                     kv_config.block_size, kv_config.num_blocks * kv_config.block_size, caches.nbytes / 2**20)
-        self.model_runner = ModelRunner(self.config, self.model, self.backend, self.ops, kv_config, caches, self.pp)
+        self.model_runner = ModelRunner(self.config, self.model, self.backend, self.kernels, kv_config, caches,
+                                        self.pp)
         self._install_proposer()
 
     def _install_proposer(self) -> None:
@@ -152,9 +151,8 @@ class Worker:
             return
         proposer = None
         if spec is not None:
-            fused = functools.partial(FusedDecode.create, cpu_kernels=self.config.device.cpu_kernels)
-            ctx = ProposerContext(self.config, self.device, self.ops, fused, self._float_linear_method,
-                                  self._fuse_elementwise)
+            ctx = ProposerContext(self.config, self.device, self.ops, FusedDecode.create, self._float_linear_method,
+                                  self._fuse_elementwise, self.kernels)
             proposer = create_proposer(spec, ctx)
             logger.info("speculative decoding: %s, up to %d draft tokens a step", spec.method,
                         spec.num_speculative_tokens)
