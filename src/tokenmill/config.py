@@ -95,8 +95,9 @@ class DeviceConfig:
 
 def bf16_weights_kept(arch: ArchConfig) -> bool:
     """Whether a float32 model of this checkpoint may keep its linear weights in bf16 (ModelConfig.linear_weight_dtype):
-    a bf16 checkpoint of a dense, non-MLA model (ModelCost counts only a dense model's projections in bf16)."""
-    return arch.dtype == "bfloat16" and arch.moe is None and arch.mla is None
+    a bf16 checkpoint of a model without MLA (dense, or with routed experts: their projections are linear layers
+    too; MLA's absorbed decode multiplies its kv_b weight outside them)."""
+    return arch.dtype == "bfloat16" and arch.mla is None
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -331,8 +332,8 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, arch, device, runner)
         max_model_len = self._max_model_len(arch, runner)
-        # dense generate models on one rank only (MoE and MLA models, and sharded ones, keep float32 weights:
-        # ModelCost counts only a dense, whole model's projections and embedding in bf16)
+        # generate models on one rank only (MLA models, and sharded ones, keep float32 weights: ModelCost counts
+        # only a whole model's projections and embedding in bf16)
         keep_bf16 = (self.dtype == "auto" and dtype == "float32" and device == "cpu" and bf16_weights_kept(arch)
                      and runner == "generate" and self.cpu_kernels
                      and self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1)

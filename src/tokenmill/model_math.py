@@ -175,7 +175,7 @@ class ModelCost:
         k = 0 if self.arch.moe is None else self.arch.moe.top_k
         extra = self._unread_expert_params(k) - self._unread_expert_params(self.experts_read(batch))
         return (round(self.matmul_params + extra + rows) * self.elem_bytes - self.quantization_saving
-                - self.linear_dtype_saving(held=False)
+                - self.linear_dtype_saving(held=False, batch=batch)
                 + self.float32_router_bytes)
 
     @property
@@ -194,13 +194,21 @@ class ModelCost:
         bf16-stored projections counted so)."""
         return self.matmul_params * self.elem_bytes - self.quantization_saving - self.linear_dtype_saving(held=False)
 
-    def linear_dtype_saving(self, held: bool) -> int:
-        """Bytes the projections, embedding table and lm_head stored in linear_dtype save over dtype (0 without
-        one): in memory (held), or read by a decode step (the projections and the one vocabulary matrix the
-        lm_head multiplies by: a tied one is the embedding table)."""
+    def linear_dtype_saving(self, held: bool, batch: int = 1) -> int:
+        """Bytes the projections (routed experts' and shared experts' included; not the float32 routers),
+        embedding table and lm_head stored in linear_dtype save over dtype (0 without one): in memory (held), or
+        read by a decode step of `batch` tokens (the projections, the experts it reads, and the one vocabulary
+        matrix the lm_head multiplies by: a tied one is the embedding table)."""
         if self.linear_dtype is None or self.quantization is not None:
             return 0
-        projections = self.arch.num_layers * sum(r * c for r, c in self._projection_shapes())
+        qkv, o, gate_up, down = (r * c for r, c in self._projection_shapes())
+        dense_layers = self.arch.num_layers - self.sparse_layers
+        projections = self.arch.num_layers * (qkv + o) + dense_layers * (gate_up + down)
+        moe = self.arch.moe
+        if moe is not None:  # a sparse layer's experts (all held; a step reads its chosen ones) and shared expert
+            experts = moe.num_experts if held else self.experts_read(batch)
+            shared = 3 * self.arch.hidden_size * moe.shared_intermediate_size
+            projections += round(self.sparse_layers * (experts * self.expert_params + shared))
         vocab = self.embedding_params + self.lm_head_params if held else self.head_matmul_params
         return (projections + vocab) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
 

@@ -106,3 +106,30 @@ def test_model_cost_counts_the_bf16_weights(tmp_path_factory: pytest.TempPathFac
     # one embedding row a token at float32's bytes in both
     assert float32.decode_weight_bytes() - cost.decode_weight_bytes() == 2 * (projections + a.vocab_size * h)
     assert float32.matmul_weight_bytes - cost.matmul_weight_bytes == 2 * (projections + a.vocab_size * h)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x-top2", "qwen2moe-shared"])
+def test_model_cost_counts_the_bf16_experts(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
+                                            monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A mixture of experts keeps every expert's (and a shared expert's) projections in bf16 too, its routers in
+    float32: the bytes the loaded model holds are ModelCost's, and a decode step counts the experts it reads."""
+    monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
+    d = build_model(name, str(tmp_path_factory.mktemp("bf16") / name), tokenizer_dir, dtype="bfloat16")
+    cfg = EngineArgs(d, kv_cache_memory="8MiB").create_engine_config()
+    assert cfg.model.linear_weight_dtype == "bfloat16"
+    worker = Worker(cfg)
+    routers = [m.weight for n, m in worker.model.named_modules() if n.endswith("mlp.gate")]
+    assert routers and all(w.dtype == torch.float32 for w in routers)
+    assert worker.weight_bytes() == model_cost(cfg).weight_bytes
+    cost, float32 = model_cost(cfg), ModelCost(cfg.model.arch, "float32")
+    a, moe = cfg.model.arch, cfg.model.arch.moe
+    assert moe is not None
+    q, kv, h = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size
+    attention = a.num_layers * (h * (q + 2 * kv) + q * h)
+    dense = (a.num_layers - moe.num_sparse_layers) * 3 * h * a.intermediate_size  # (Qwen2-MoE's mlp_only_layers)
+    expert, shared = 3 * h * moe.intermediate_size, 3 * h * moe.shared_intermediate_size
+    vocab = a.vocab_size * h
+    for batch in (1, 3):  # the experts a step reads: k for one token, the expected count for more
+        read = moe.top_k if batch == 1 else moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
+        bf16 = attention + dense + round(moe.num_sparse_layers * (read * expert + shared)) + vocab
+        assert float32.decode_weight_bytes(batch) - cost.decode_weight_bytes(batch) == 2 * bf16

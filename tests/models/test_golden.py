@@ -107,12 +107,13 @@ def test_triton_backend(model_dirs: dict[str, str]) -> None:
     check_prefix_hits(llm, model_dir, 3)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa4-untied", "llama-gqa2-tied", "gemma2-softcap"])
+@pytest.mark.parametrize("name", ["llama-gqa4-untied", "llama-gqa2-tied", "gemma2-softcap", "mixtral-8x-top2",
+                                  "qwen2moe-shared"])
 def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
                                                monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights kept in bf16
-    # (widened in the product: the C++ GEMV for decode rows, tiles for prefill), against transformers in float32
-    # over the same bf16 weights; forced here on any CPU
+    # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights (routed and shared
+    # experts' too; not the float32 routers) kept in bf16 (widened in the product: the C++ GEMV for decode rows,
+    # tiles for prefill), against transformers in float32 over the same bf16 weights; forced here on any CPU
     kernels = load_cpu_kernels()
     if kernels is None or int(kernels.bf16w_gemv_max_rows()) == 0:
         pytest.skip("the C++ bf16 GEMV (AVX2) is not built here")

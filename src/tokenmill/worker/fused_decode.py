@@ -6,7 +6,7 @@ as layers.moe.SparseMoeBlock's fused path does).
 
 The runner builds it for a model that describes itself as a `DecoderLayout` (models/interface.py),
 on the C++ CPU attention backend, when every projection is a packed bf16 weight that the GEMV takes, or
-a quantized one (int8, int4, W8A8; routed experts bf16 only) that its method runs with the C++ kernels
+a quantized one (int8, int4, W8A8; routed experts unquantized only) that its method runs with the C++ kernels
 (`fused_projection`); the
 C++ calls run the same kernels in the same order as the Python layer loop with that backend, so they
 give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS rows (the torch reference
@@ -14,9 +14,10 @@ beyond), so a model with them is fused up to that many rows. It reads the backen
 `CpuBackend.decode_tables`. A quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) is stored and read by
 the ops the C++ backend calls for it (write_kv_quant_, paged_attention_quant), with each layer's scales.
 
-A float32 model (an AVX2-only CPU's dtype auto) takes it too where its layers are dense, its projections float
-(oneDNN-packed float32 weights, or bf16-stored ones that the widening GEMV takes: those up to its rows, so such a
-model is fused up to that many) and its cache float32: the kernels' float32 forms, as its Python loop calls them.
+A float32 model (an AVX2-only CPU's dtype auto) takes it too where its projections, routed experts' included, are
+float (oneDNN-packed float32 weights, or bf16-stored ones that the widening GEMV takes: those up to its rows, so
+such a model is fused up to that many) and its cache float32: the kernels' float32 forms, as its Python loop calls
+them.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def _fusable(layer: LinearBase, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and fused_projection(layer) is not None
 
 
+def _float_expert(layer: LinearBase) -> bool:
+    """Whether the kernel runs this routed expert's projection: a packed one (the GEMV or oneDNN) or a widened
+    one (routed experts are never quantized in the kernel)."""
+    ptr = _gemv_ptr(layer)
+    return ptr == WIDENED or (layer.packed and ptr != 0)
+
+
 class FusedDecode:
     def __init__(self, layout: DecoderLayout, ops: Any, backend: CpuBackend) -> None:
         self.ops = ops
@@ -87,7 +95,7 @@ class FusedDecode:
         self.max_rows: int | None = None  # the most rows of a step it takes (None: any)
         for layer in layout.layers:
             bias = layer.qkv.bias if layer.qkv.bias is not None else empty
-            # attention's projections, and a dense layer's MLP, may be quantized; routed experts are bf16
+            # attention's projections, and a dense layer's MLP, may be quantized; routed experts are float
             # (create declines others). The kernel takes four quant/kind slots per layer: a sparse layer's
             # MLP slots are float ones.
             projections: list[LinearBase | None] = [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
@@ -164,11 +172,9 @@ class FusedDecode:
         if _routing(layout) is None:
             return None
         for layer in layout.layers:
-            if layer.experts is not None and dtype != torch.bfloat16:
-                return None
             dense = [layer.qkv, layer.o_proj] + ([] if layer.experts is not None else _projections(layer)[2:])
             experts = _projections(layer)[2:] if layer.experts is not None else []
-            if not all(_fusable(m, dtype) for m in dense) or not all(m.packed and _gemv_ptr(m) for m in experts):
+            if not all(_fusable(m, dtype) for m in dense) or not all(_float_expert(m) for m in experts):
                 return None
         return cls(layout, ops, backend)
 

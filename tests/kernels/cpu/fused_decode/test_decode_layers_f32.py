@@ -1,8 +1,9 @@
 """(CPU) the fused decode path for float32 models (an AVX2-only CPU's dtype auto) against the Python layer
 loop it replaces: ops.decode_layers / decode_greedy with float32 rows call the kernels' float32 forms (norms,
 rotary, the KV store, paged decode, SiLU-and-mul) and the projections the layers call (the widening GEMV over
-bf16-stored weights, oneDNN's packed float32 product), so tokens and logprobs must be bitwise equal. The CPU
-without bf16 arithmetic is forced where it is not one (config.cpu_runs_bf16), as the golden tests force it."""
+bf16-stored weights, oneDNN's packed float32 product; a Mixtral's routed experts too), so tokens and logprobs must
+be bitwise equal. The CPU without bf16 arithmetic is forced where it is not one (config.cpu_runs_bf16), as the
+golden tests force it."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ from tokenmill.worker.fused_decode import ONEDNN_ONLY, WIDENED, FusedDecode
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None or int(OPS.bf16w_gemv_max_rows()) == 0,
                                 reason="needs the C++ kernels with the widening bf16 GEMV (AVX2)")
-DENSE = ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window", "phi3-longrope"]
+FUSED = ["llama-gqa2-tied", "llama-gqa4-untied", "qwen2-mha", "mistral-window", "phi3-longrope", "mixtral-8x-top2"]
 
 
 @pytest.fixture(scope="module")
 def bf16_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bf16")
     return {name: build_model(name, os.path.join(root, name), tokenizer_dir, dtype="bfloat16")
-            for name in [*DENSE, "mixtral-8x-top2"]}
+            for name in FUSED}
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +66,7 @@ def _linear_layers(llm: LLM) -> list[LinearBase]:
     return [m for m in llm.engine.core.executor.runner.model.modules() if isinstance(m, LinearBase)]
 
 
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", FUSED)
 # 16: the widening GEMV's most rows; 17: past them (the layers' widened tiles, so the fused path declines)
 @pytest.mark.parametrize("num_prompts", [1, 4, 16, 17])
 def test_widened_float32_model_matches_the_python_loop(bf16_dirs: dict[str, str], name: str,
@@ -123,8 +124,7 @@ def test_float32_checkpoint_with_packed_float32_weights(model_dirs: dict[str, st
 
 
 def test_float32_rows_decline_what_the_kernel_takes_in_bf16_only(bf16_dirs: dict[str, str]) -> None:
-    # routed experts, quantized projections and a quantized cache stay on the Python loop in float32
-    assert _llm(bf16_dirs["mixtral-8x-top2"]).engine.core.executor.runner.fused_decode is None
+    # quantized projections and a quantized cache stay on the Python loop in float32
     assert _llm(bf16_dirs["llama-gqa2-tied"], quantization="int8").engine.core.executor.runner.fused_decode is None
     assert _llm(bf16_dirs["llama-gqa2-tied"],
                 kv_cache_dtype="int8").engine.core.executor.runner.fused_decode is None

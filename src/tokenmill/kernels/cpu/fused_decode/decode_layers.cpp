@@ -13,9 +13,9 @@
 // are bf16 only) call the ops QuantizedLinearMethod.apply calls, with the same tensors (linear_kinds and quant say
 // which and with what, four projection slots per layer, a sparse layer's MLP slots float); a quantized KV cache (int8,
 // fp8 e4m3: kv_scales holds each layer's K and V scales) is written and read by the ops CpuBackend calls for it.
-// Float32 rows (a float32 model: dense layers, float projections, a float32 cache) take the same loop with the
-// kernels' float32 forms; their projections are oneDNN's packed float32 product or, for bf16-stored weights, the
-// widening GEMV (bf16w_gemv).
+// Float32 rows (a float32 model: float projections, routed experts' included, and a float32 cache) take the same
+// loop with the kernels' float32 forms; their projections are oneDNN's packed float32 product or, for bf16-stored
+// weights, the widening GEMV (bf16w_gemv).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -187,7 +187,7 @@ at::Tensor routed_experts(const Ops& op, const at::Tensor& x, const at::Tensor* 
                           const Routing& r, bool gemv) {
   const int64_t e_count = r.num_experts, k = r.top_k;
   const at::Tensor scores = at::linear(x.to(at::kFloat), ew[0]).softmax(-1);
-  if (x.size(0) == 1 && k <= 2 && x.scalar_type() == at::kBFloat16) {
+  if (x.size(0) == 1 && k <= 2) {
     return routed_experts_row(op, x, scores, ew, ep, r, gemv);
   }
   auto [weights, ids] = at::topk(scores, k, -1);
@@ -217,10 +217,10 @@ OptTensor bias_or_none(const at::Tensor& t) { return t.numel() ? OptTensor(t) : 
 
 // h: the embedded input rows [T, hidden] (bf16 or float32); it becomes the residual stream, updated in place as in
 // the Python loop. Returns the final norm of the last residual.
-// One bfloat16 row with k <= 2: routed_experts' arithmetic with plain loops where it calls an ATen op on
-// k or E numbers (top-k, renormalisation, scaling, the bf16 pair weight, the weighted sum into zeros), each
-// rounding as that op rounds (a sum of two floats has one rounding in any order), so only the router,
-// its softmax and the k experts' kernels are calls.
+// One row with k <= 2 (bfloat16 or float32): routed_experts' arithmetic with plain loops where it calls an ATen op
+// on k or E numbers (top-k, renormalisation, scaling, the pair weight in the rows' dtype, the weighted sum into
+// zeros), each rounding as that op rounds (a sum of two floats has one rounding in any order), so only the
+// router, its softmax and the k experts' kernels are calls.
 at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tensor& scores, const at::Tensor* ew,
                               const int64_t* ep, const Routing& r, bool gemv) {
   const int64_t e_count = r.num_experts, k = r.top_k, hidden = x.size(1);
@@ -240,18 +240,30 @@ at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tens
   const float scaling = static_cast<float>(r.routed_scaling_factor);
   int64_t order[2] = {0, 1};  // experts in ascending id, as the general path's sort by expert
   if (k == 2 && ids[1] < ids[0]) order[0] = 1, order[1] = 0;
+  const bool f32 = x.scalar_type() == at::kFloat;
   at::Tensor out = at::zeros_like(x);
-  auto* acc = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   for (int64_t j = 0; j < k; ++j) {
     const int64_t e = ids[order[j]];
-    const float pair_weight = bf16_to_float(float_to_bf16(w[order[j]] * scaling));
     const at::Tensor gate_up = linear(op, x, ew[1 + e], OptTensor(), gemv, ep ? ep[e] : 0);
-    const at::Tensor y = linear(op, op.silu_and_mul.call(gate_up), ew[1 + e_count + e], OptTensor(), gemv,
-                                ep ? ep[e_count + e] : 0);
-    const auto* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float weighted = bf16_to_float(float_to_bf16(bf16_to_float(yp[i]) * pair_weight));
-      acc[i] = float_to_bf16(bf16_to_float(acc[i]) + weighted);
+    at::Tensor y = linear(op, op.silu_and_mul.call(gate_up), ew[1 + e_count + e], OptTensor(), gemv,
+                          ep ? ep[e_count + e] : 0);
+    TORCH_CHECK(y.is_contiguous() && y.numel() == hidden, "decode_layers: an expert's output must be one row");
+    if (f32) {
+      const float pair_weight = w[order[j]] * scaling;
+      float* yp = y.data_ptr<float>();
+      float* acc = out.data_ptr<float>();
+      // the product, then the sum, in two loops: as `y * pair_weight` and index_add_ round, never fused into
+      // one multiply-add
+      for (int64_t i = 0; i < hidden; ++i) yp[i] = yp[i] * pair_weight;
+      for (int64_t i = 0; i < hidden; ++i) acc[i] = acc[i] + yp[i];
+    } else {
+      const float pair_weight = bf16_to_float(float_to_bf16(w[order[j]] * scaling));
+      const auto* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+      auto* acc = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float weighted = bf16_to_float(float_to_bf16(bf16_to_float(yp[i]) * pair_weight));
+        acc[i] = float_to_bf16(bf16_to_float(acc[i]) + weighted);
+      }
     }
   }
   return out;
@@ -340,8 +352,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
   // checked here once
   const bool f32 = h_in.scalar_type() == at::kFloat;
   TORCH_CHECK(h_in.scalar_type() == at::kBFloat16 || f32, "decode_layers: bfloat16 or float32 rows only");
-  TORCH_CHECK(!f32 || (!kinds && kv_scales.empty() && sparse == 0),
-              "decode_layers: float32 rows take float projections, dense MLPs and a float32 cache only");
+  TORCH_CHECK(!f32 || (!kinds && kv_scales.empty()),
+              "decode_layers: float32 rows take float projections and a float32 cache only");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == t &&
               slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == t,
               "decode_layers: positions and slot_mapping must be contiguous int64 [T]");
