@@ -1,7 +1,7 @@
 """bf16 weights kept as the checkpoint stores them under a float32 model (a CPU without bf16 arithmetic,
-dtype auto): the C++ GEMV that widens them (bf16w_gemv, AVX2) and the tiled product past its rows equal F.linear
-over the widened weight to float32 rounding, in a layer too; the engine config chooses that storage only for a
-bf16 checkpoint that dtype auto runs in float32 on such a CPU."""
+dtype auto): the C++ GEMV that widens them (bf16w_gemv, AVX2), the C++ product past its rows (bf16w_gemm) and
+the tiled torch product equal F.linear over the widened weight to float32 rounding, in a layer too; the engine
+config chooses that storage only for a bf16 checkpoint that dtype auto runs in float32 on such a CPU."""
 
 from __future__ import annotations
 
@@ -44,6 +44,29 @@ def test_bf16w_gemv_matches_linear_over_the_widened_weight(rows: int, k: int) ->
         OPS.bf16w_gemv(torch.randn(65, k), w, None)
 
 
+@pytest.mark.skipif(not HAS_GEMV, reason="the C++ kernels with AVX2/FMA are not built here")
+# rows: whole and partial 6-row strips, past one 192-row block; n: whole and partial 16-column panels;
+# k: under a vector, a vector's tail, past one 256-wide block with a tail
+@pytest.mark.parametrize(("rows", "n", "k"), [(0, 16, 64), (1, 1, 1), (5, 37, 7), (6, 16, 8), (17, 33, 300),
+                                              (200, 48, 520), (64, 130, 1029), (3, 0, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16w_gemm_matches_linear_over_the_widened_weight(rows: int, n: int, k: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 3, generator=gen)[:, 1:k + 1]  # rows strided past k
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (b, None):  # against the float64 product: float32 sums of up to 1,029 terms round apart
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+            torch.testing.assert_close(OPS.bf16w_gemm(x, w, bias), want, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="bf16"):
+        OPS.bf16w_gemm(x, w.float(), None)
+
+
 def test_widened_linear_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "WIDEN_TILE_BYTES", 4 * 50 * 16)  # tiles of 16 features: 45 takes three
     gen = torch.Generator().manual_seed(1)
@@ -67,10 +90,15 @@ def test_layer_keeps_bf16_weights_and_multiplies_in_float32(monkeypatch: pytest.
     layer.weight_loader(layer.bias, b)
     method.process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32 and not layer.packed
+    calls: list[int] = []
+    if method.widen_gemv is not None:  # past the GEMV's rows, the C++ product (without it, widened tiles)
+        gemm = method.widen_gemv.gemm
+        monkeypatch.setattr(method.widen_gemv, "gemm", lambda *args: calls.append(1) or gemm(*args))
     x = torch.randn(2, rows, 64, generator=gen)
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (2, rows, 40)
     close(y, F.linear(x, w.float(), b))
+    assert len(calls) == (1 if HAS_GEMV and 2 * rows > 16 else 0)
 
 
 @pytest.mark.parametrize(("runs_bf16", "dtype", "want"), [(False, "auto", "bfloat16"), (True, "auto", None),

@@ -19,7 +19,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kernels.triton.gemv import TritonGemv, gated_gemv
 from tokenmill.layers import linear
-from tokenmill.layers.linear import LinearBase, WidenedGemv, use_triton_gemv, widened_linear
+from tokenmill.layers.linear import LinearBase, WidenedGemv, use_triton_gemv
 
 BACKENDS = ["torch_ref", "sdpa", "cpu"]
 PROMPTS = random_prompts(9, 3, 60, seed=1)  # mistral's window (24) is shorter than most
@@ -113,7 +113,8 @@ def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPath
                                                monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights (routed and shared
     # experts' too; not the float32 routers) kept in bf16 (widened in the product: the C++ GEMV for decode rows,
-    # tiles for prefill), against transformers in float32 over the same bf16 weights; forced here on any CPU
+    # the C++ product for prefill), against transformers in float32 over the same bf16 weights; forced here on any
+    # CPU
     kernels = load_cpu_kernels()
     if kernels is None or int(kernels.bf16w_gemv_max_rows()) == 0:
         pytest.skip("the C++ bf16 GEMV (AVX2) is not built here")
@@ -125,24 +126,24 @@ def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPath
     model = llm.engine.core.executor.worker.model
     assert model.lm_head.weight.dtype == model.embed_tokens.weight.dtype == torch.bfloat16
     assert not model.lm_head.packed
-    calls = {"gemv": 0, "tiles": 0}
+    calls = {"gemv": 0, "gemm": 0}
 
     def gemv(*args: Any) -> Any:
         calls["gemv"] += 1
         return kernels.bf16w_gemv(*args)
 
-    def tiles(*args: Any) -> Any:
-        calls["tiles"] += 1
-        return widened_linear(*args)
+    def gemm(*args: Any) -> Any:
+        calls["gemm"] += 1
+        return kernels.bf16w_gemm(*args)
 
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert all(isinstance(m.gemv_ops, WidenedGemv) for m in layers)  # every layer's GEMV slot holds the C++ GEMV
     for m in layers:
         monkeypatch.setattr(m.gemv_ops, "packed_gemv", gemv)
-    monkeypatch.setattr(linear, "widened_linear", tiles)
+        monkeypatch.setattr(m.gemv_ops, "gemm", gemm)
     prompts, max_tokens = PROMPTS[:4], MAX_TOKENS[:4]
     assert run(llm, prompts, max_tokens) == [hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens)]
-    assert calls["gemv"] > 0 and calls["tiles"] > 0  # decode rows, and prefill chunks over 16 tokens
+    assert calls["gemv"] > 0 and calls["gemm"] > 0  # decode rows, and prefill chunks over 16 tokens
 
 
 def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

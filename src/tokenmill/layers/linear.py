@@ -318,7 +318,7 @@ class UnquantizedLinearMethod:
                  widen_ops: Any = None) -> None:
         # weight_dtype bfloat16 under a float32 model (config.ModelConfig.linear_weight_dtype): the weights stay
         # bf16 and widen to float32 in the product, by widen_ops.bf16w_gemv (C++, AVX2) in the layers' GEMV slot
-        # up to its rows, else a tile at a time (widened_linear)
+        # up to its rows, by widen_ops.bf16w_gemm beyond (widened_linear, a tile at a time, without widen_ops)
         self.weight_dtype = weight_dtype
         self.widen_gemv = WidenedGemv(widen_ops) if widen_ops is not None else None
         self.pack = pack and packing_available()
@@ -376,8 +376,13 @@ class UnquantizedLinearMethod:
             return y.view(*x.shape[:-1], layer.output_size)
         if not layer.packed:
             if layer.weight.dtype != x.dtype:  # bf16-stored weights under a float32 model, past the GEMV's rows
-                return widened_linear(x.reshape(-1, layer.input_size), layer.weight, layer.bias).view(
-                    *x.shape[:-1], layer.output_size)
+                rows = x.reshape(-1, layer.input_size)
+                if isinstance(layer.gemv_ops, WidenedGemv):  # the C++ product that widens as it packs
+                    y = layer.gemv_ops.gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), layer.weight,
+                                            layer.bias)
+                else:
+                    y = widened_linear(rows, layer.weight, layer.bias)
+                return y.view(*x.shape[:-1], layer.output_size)
             return F.linear(x, layer.weight, layer.bias)
         return onednn_linear(x, layer.weight, layer.bias)
 
@@ -392,10 +397,12 @@ class UnquantizedLinearMethod:
 
 class WidenedGemv:
     """The C++ GEMV over bf16-stored weights (kernels/cpu/linear/bf16w_gemv.cpp) in the form the layers' GEMV
-    slot takes (`LinearBase.gemv_ops`, as the packed GEMV and the Triton one)."""
+    slot takes (`LinearBase.gemv_ops`, as the packed GEMV and the Triton one), and the C++ product for more rows
+    (bf16w_gemm.cpp: the weight widened as it is packed, a panel at a time)."""
 
     def __init__(self, ops: Any) -> None:
         self.packed_gemv = ops.bf16w_gemv
+        self.gemm = ops.bf16w_gemm
         self.max_rows = int(ops.bf16w_gemv_max_rows())
 
     def packed_gemv_max_rows(self, input_size: int) -> int:

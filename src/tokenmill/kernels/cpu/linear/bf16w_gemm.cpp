@@ -1,0 +1,186 @@
+// float32 rows times a bf16 weight kept as the checkpoint stores it ([N, K], row-major), for any number of rows:
+// y [M, N] = x [M, K] W^T (+ bias), float32, on CPUs with AVX2 and FMA but no bf16 arithmetic. It is the
+// product of bf16-stored weights past bf16w_gemv's rows (prefill chunks, large decode batches, a routed expert's
+// rows): tokenmill.layers.linear calls it where it would otherwise widen the weight to float32 a tile at a time
+// for torch's product. Each bf16 weight widens exactly to float32 (a 16-bit shift), so the products are the
+// float32 model's up to summation order.
+//
+// Blocking (the outer-product form of BLIS-style GEMMs): the output columns are split between the threads. For a
+// block of kMc rows of x and kKc of K, a thread packs each kNr-column panel of its weights, widened and transposed
+// to [k][kNr] (the pack is the only place a bf16 weight is read), and runs every kMr-row strip of the block against
+// it: the micro-kernel keeps kMr x kNr accumulators (12 AVX2 registers) and takes one broadcast of x and two panel
+// loads a k, the panel (16 KiB) reused from L1 across the strips, the block's rows of x from L2.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kMr = 6;    // rows of x a micro-kernel takes
+constexpr int64_t kNr = 16;   // output columns a micro-kernel (and a packed panel) takes
+constexpr int64_t kKc = 256;  // K a block takes: a packed panel is kKc x kNr float32 (16 KiB, in L1)
+constexpr int64_t kMc = 192;  // rows of x a block takes: kMc x kKc float32 (192 KiB, in L2)
+
+inline __m256 widen8(const uint16_t* w) {  // 8 bf16 -> 8 float32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float widen1(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// r[i] (row i, 8 floats) -> r[j] = column j
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// panel[k * kNr + j] = W[n0 + j, k0 + k] widened, for j < cols (the rest 0) and k < kc
+void pack_panel(const uint16_t* w, int64_t K, int64_t n0, int64_t cols, int64_t k0, int64_t kc, float* panel) {
+  if (cols == kNr) {
+    int64_t k = 0;
+    for (; k + 8 <= kc; k += 8) {
+      for (int64_t half = 0; half < 2; ++half) {
+        __m256 r[8];
+        for (int64_t i = 0; i < 8; ++i) r[i] = widen8(w + (n0 + half * 8 + i) * K + k0 + k);
+        transpose8(r);
+        for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kNr + half * 8, r[i]);
+      }
+    }
+    for (; k < kc; ++k)
+      for (int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = widen1(w[(n0 + j) * K + k0 + k]);
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k)
+    for (int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = j < cols ? widen1(w[(n0 + j) * K + k0 + k]) : 0.0f;
+}
+
+// R rows of x (stride ldx, from column k0 of the block) times a packed panel over kc: acc -> out (R x kNr, stride
+// ldo), added to what out holds unless first
+template <int R>
+void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, bool first) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * kNr), b1 = _mm256_loadu_ps(panel + k * kNr + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * ldo;
+    if (!first) {
+      acc[r][0] = _mm256_add_ps(_mm256_loadu_ps(o), acc[r][0]);
+      acc[r][1] = _mm256_add_ps(_mm256_loadu_ps(o + 8), acc[r][1]);
+    }
+    _mm256_storeu_ps(o, acc[r][0]);
+    _mm256_storeu_ps(o + 8, acc[r][1]);
+  }
+}
+
+void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo,
+                bool first) {
+  switch (rows) {
+    case 1: return micro<1>(x, ldx, panel, kc, out, ldo, first);
+    case 2: return micro<2>(x, ldx, panel, kc, out, ldo, first);
+    case 3: return micro<3>(x, ldx, panel, kc, out, ldo, first);
+    case 4: return micro<4>(x, ldx, panel, kc, out, ldo, first);
+    case 5: return micro<5>(x, ldx, panel, kc, out, ldo, first);
+    default: return micro<6>(x, ldx, panel, kc, out, ldo, first);
+  }
+}
+
+at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "bf16w_gemm: x must be float32 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1), "bf16w_gemm: weight must be contiguous bf16 [N, K]");
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bf16w_gemm: bias must have N elements");
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const int64_t panels = (N + kNr - 1) / kNr;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(32) float panel[kKc * kNr];
+    alignas(32) float edge[kMr * kNr];  // a partial panel's outputs, before they go to y
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+      const int64_t mc = std::min(kMc, M - m0);
+      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+        const int64_t kc = std::min(kKc, K - k0);
+        const bool first = k0 == 0;
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t n0 = p * kNr, cols = std::min(kNr, N - n0);
+          pack_panel(wp, K, n0, cols, k0, kc, panel);
+          for (int64_t i = m0; i < m0 + mc; i += kMr) {
+            const int64_t rows = std::min(kMr, m0 + mc - i);
+            if (cols == kNr) {
+              micro_rows(rows, xp + i * ldx + k0, ldx, panel, kc, yp + i * N + n0, N, first);
+            } else {  // through a full-width buffer: the panel's columns past N are padding
+              for (int64_t r = 0; r < rows && !first; ++r)
+                std::copy(yp + (i + r) * N + n0, yp + (i + r) * N + N, edge + r * kNr);
+              micro_rows(rows, xp + i * ldx + k0, ldx, panel, kc, edge, kNr, first);
+              for (int64_t r = 0; r < rows; ++r) std::copy(edge + r * kNr, edge + r * kNr + cols, yp + (i + r) * N + n0);
+            }
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < M && (bp || K == 0); ++m) {  // the bias (and a K of 0's zeros)
+      for (int64_t n = p0 * kNr; n < std::min(N, p1 * kNr); ++n) {
+        float& o = yp[m * N + n];
+        o = (K == 0 ? 0.0f : o) + (bp ? bp[n] : 0.0f);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+#else  // no AVX2/FMA: the layers keep their torch path
+
+namespace {
+at::Tensor bf16w_gemm(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "bf16w_gemm: built without AVX2/FMA");
+}
+}  // namespace
+
+#endif
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) { m.def("bf16w_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("bf16w_gemm", &bf16w_gemm); }
