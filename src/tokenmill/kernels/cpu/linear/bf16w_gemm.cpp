@@ -21,6 +21,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "avx2.h"
+#include "common.h"
+
 namespace {
 
 constexpr int64_t kMr = 6;    // rows of x a micro-kernel takes
@@ -28,17 +31,8 @@ constexpr int64_t kNr = 16;   // output columns a micro-kernel (and a packed pan
 constexpr int64_t kKc = 256;  // K a block takes: a packed panel is kKc x kNr float32 (16 KiB, in L1)
 constexpr int64_t kMc = 192;  // rows of x a block takes: kMc x kKc float32 (192 KiB, in L2)
 
-inline __m256 widen8(const uint16_t* w) {  // 8 bf16 -> 8 float32
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float widen1(uint16_t w) {
-  const uint32_t bits = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using tokenmill::bf16_bits_to_f32;
+using tokenmill::widen8_bf16;
 
 // r[i] (row i, 8 floats) -> r[j] = column j
 inline void transpose8(__m256 r[8]) {
@@ -67,17 +61,17 @@ void pack_panel(const uint16_t* w, int64_t K, int64_t n0, int64_t cols, int64_t 
     for (; k + 8 <= kc; k += 8) {
       for (int64_t half = 0; half < 2; ++half) {
         __m256 r[8];
-        for (int64_t i = 0; i < 8; ++i) r[i] = widen8(w + (n0 + half * 8 + i) * K + k0 + k);
+        for (int64_t i = 0; i < 8; ++i) r[i] = widen8_bf16(w + (n0 + half * 8 + i) * K + k0 + k);
         transpose8(r);
         for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kNr + half * 8, r[i]);
       }
     }
     for (; k < kc; ++k)
-      for (int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = widen1(w[(n0 + j) * K + k0 + k]);
+      for (int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = bf16_bits_to_f32(w[(n0 + j) * K + k0 + k]);
     return;
   }
   for (int64_t k = 0; k < kc; ++k)
-    for (int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = j < cols ? widen1(w[(n0 + j) * K + k0 + k]) : 0.0f;
+    for (int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = j < cols ? bf16_bits_to_f32(w[(n0 + j) * K + k0 + k]) : 0.0f;
 }
 
 // R rows of x (stride ldx, from column k0 of the block) times a packed panel over kc: acc -> out (R x kNr, stride

@@ -15,23 +15,17 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "avx2.h"
+#include "common.h"
+
 namespace {
 
 constexpr int64_t kMaxRows = 64;
 // the most rows the layers give it: past it a float32 product of widened tiles was the faster (bench/README.md)
 constexpr int64_t kLayerRows = 16;
 
-inline __m256 widen8(const uint16_t* w) {  // 8 bf16 -> 8 float32
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float widen1(uint16_t w) {
-  const uint32_t bits = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using tokenmill::bf16_bits_to_f32;
+using tokenmill::widen8_bf16;
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -53,19 +47,19 @@ void row(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) 
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     if ((k & 31) == 0) prefetch(w + k + kPrefetch);  // (a prefetch past the weight's end is harmless)
-    const __m256 w0 = widen8(w + k), w1 = widen8(w + k + 8);
+    const __m256 w0 = widen8_bf16(w + k), w1 = widen8_bf16(w + k + 8);
     for (int m = 0; m < M; ++m) {
       a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
       a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 8), a1[m]);
     }
   }
   for (; k + 8 <= K; k += 8) {
-    const __m256 w0 = widen8(w + k);
+    const __m256 w0 = widen8_bf16(w + k);
     for (int m = 0; m < M; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
   }
   for (int m = 0; m < M; ++m) {
     float s = hsum(_mm256_add_ps(a0[m], a1[m]));
-    for (int64_t j = k; j < K; ++j) s += widen1(w[j]) * x[m * ldx + j];
+    for (int64_t j = k; j < K; ++j) s += bf16_bits_to_f32(w[j]) * x[m * ldx + j];
     out[m] = s;
   }
 }
@@ -77,14 +71,14 @@ void row<1>(const float* x, int64_t, const uint16_t* w, int64_t K, float* out) {
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     prefetch(w + k + kPrefetch);
-    a0 = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), a0);
-    a1 = _mm256_fmadd_ps(widen8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-    a2 = _mm256_fmadd_ps(widen8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-    a3 = _mm256_fmadd_ps(widen8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    a0 = _mm256_fmadd_ps(widen8_bf16(w + k), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(widen8_bf16(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    a2 = _mm256_fmadd_ps(widen8_bf16(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+    a3 = _mm256_fmadd_ps(widen8_bf16(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
   }
-  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), a0);
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(widen8_bf16(w + k), _mm256_loadu_ps(x + k), a0);
   float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; k < K; ++k) s += widen1(w[k]) * x[k];
+  for (; k < K; ++k) s += bf16_bits_to_f32(w[k]) * x[k];
   out[0] = s;
 }
 
@@ -105,7 +99,7 @@ void row_pair(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* 
       prefetch(w + k + kPrefetch);
       prefetch(v + k + kPrefetch);
     }
-    const __m256 w0 = widen8(w + k), w1 = widen8(v + k);
+    const __m256 w0 = widen8_bf16(w + k), w1 = widen8_bf16(v + k);
     for (int m = 0; m < M; ++m) {
       const __m256 xm = _mm256_loadu_ps(x + m * ldx + k);
       a[m] = _mm256_fmadd_ps(w0, xm, a[m]);
@@ -115,8 +109,8 @@ void row_pair(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* 
   for (int m = 0; m < M; ++m) {
     float s = hsum(a[m]), t = hsum(b[m]);
     for (int64_t j = k; j < K; ++j) {
-      s += widen1(w[j]) * x[m * ldx + j];
-      t += widen1(v[j]) * x[m * ldx + j];
+      s += bf16_bits_to_f32(w[j]) * x[m * ldx + j];
+      t += bf16_bits_to_f32(v[j]) * x[m * ldx + j];
     }
     out[m] = s;
     out[M + m] = t;
