@@ -104,9 +104,11 @@ def test_widened_decode_greedy_matches_the_python_path(bf16_dirs: dict[str, str]
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_float32_checkpoint_with_packed_float32_weights(model_dirs: dict[str, str]) -> None:
-    # a float32 checkpoint where oneDNN has no bf16 path: its weights packed in float32 (oneDNN's product, no GEMV)
-    llm = _llm(model_dirs["llama-gqa4-untied"])
+@pytest.mark.parametrize("name", ["llama-gqa4-untied", "mixtral-8x-top2"])
+def test_float32_checkpoint_with_packed_float32_weights(model_dirs: dict[str, str], name: str) -> None:
+    # a float32 checkpoint where oneDNN has no bf16 path: its weights (a Mixtral's experts too) packed in float32
+    # (oneDNN's product, no GEMV)
+    llm = _llm(model_dirs[name])
     runner = llm.engine.core.executor.runner
     method = next(m.method for m in _linear_layers(llm) if isinstance(m.method, UnquantizedLinearMethod))
     if not method.pack_float32:
@@ -116,7 +118,7 @@ def test_float32_checkpoint_with_packed_float32_weights(model_dirs: dict[str, st
     prompts = random_prompts(5, 3, 40, seed=5)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     fast, fast_calls = _run(llm, True, prompts, params, "decode_layers")
-    ref, _ = _run(_llm(model_dirs["llama-gqa4-untied"]), False, prompts, params, "decode_layers")
+    ref, _ = _run(_llm(model_dirs[name]), False, prompts, params, "decode_layers")
     assert fast_calls >= 20
     for a, b in zip(fast, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
