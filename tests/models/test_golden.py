@@ -108,7 +108,7 @@ def test_triton_backend(model_dirs: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama-gqa4-untied", "llama-gqa2-tied", "gemma2-softcap", "mixtral-8x-top2",
-                                  "qwen2moe-shared"])
+                                  "qwen2moe-shared", "qwen3moe-norm"])
 def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
                                                monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights (routed and shared
