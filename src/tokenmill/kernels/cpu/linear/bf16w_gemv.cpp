@@ -21,7 +21,8 @@
 namespace {
 
 constexpr int64_t kMaxRows = 64;
-// the most rows the layers give it: past it a float32 product of widened tiles was the faster (bench/README.md)
+// the most rows the layers give it (and the fused decode call takes): past it bf16w_gemm runs the layers' rows,
+// which overtakes this kernel between 16 and 64 rows by shape (bench/README.md)
 constexpr int64_t kLayerRows = 16;
 
 using tokenmill::bf16_bits_to_f32;
