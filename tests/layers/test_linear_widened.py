@@ -46,9 +46,9 @@ def test_bf16w_gemv_matches_linear_over_the_widened_weight(rows: int, k: int) ->
 
 @pytest.mark.skipif(not HAS_GEMV, reason="the C++ kernels with AVX2/FMA are not built here")
 # rows: whole and partial 6-row strips, past one 192-row block; n: whole and partial 16-column panels;
-# k: under a vector, a vector's tail, past one 256-wide block with a tail
+# k: none, under a vector, a vector's tail, past one 256-wide block with a tail
 @pytest.mark.parametrize(("rows", "n", "k"), [(0, 16, 64), (1, 1, 1), (5, 37, 7), (6, 16, 8), (17, 33, 300),
-                                              (200, 48, 520), (64, 130, 1029), (3, 0, 64)])
+                                              (200, 48, 520), (64, 130, 1029), (3, 0, 64), (4, 5, 0)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16w_gemm_matches_linear_over_the_widened_weight(rows: int, n: int, k: int, threads: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
