@@ -8,8 +8,9 @@ Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
   position attended).
 - decode_weight_bytes: the weights one decode step must stream: matmul_params plus one embedding row
   per sequence (untied) - the lm_head is read in full, the embedding table only where used.
-- quantization (int8, w8a8, int4 with groups of 128): the decoder layers' projections are stored as
-  tokenmill holds them in memory (1 byte or half a byte per weight, fp32 scales per output row or per
+- quantization (int8, w8a8, int4 with groups of 128): the decoder layers' projections (routed and shared
+  experts' too) are stored as tokenmill holds them in memory (1 byte or half a byte per weight, K padded to
+  64 for W8A8's kernel and to 32 for int4's, fp32 scales per output row or per
   row and group, int8's and W8A8's int32 row sums; int4 as `--quantization int4` makes it, symmetric, so
   without zero points); embeddings, norms and lm_head stay float. W8A8 also keeps a oneDNN-packed int8
   copy for large batches (a decode step does not read it), which these bytes leave out.
@@ -161,8 +162,8 @@ class ModelCost:
     def weight_bytes(self) -> int:
         """The bytes the weights hold, W8A8's second, oneDNN-packed copy left out (1 byte per projection
         weight and oneDNN's padding, which oneDNN's layout decides)."""
-        return (self.params * self.elem_bytes - self.quantization_saving - self.linear_dtype_saving(held=True)
-                + self.float32_router_bytes)
+        return (self.params * self.elem_bytes - self.quantization_saving(held=True)
+                - self.linear_dtype_saving(held=True) + self.float32_router_bytes)
 
     def _projection_shapes(self) -> list[tuple[int, int]]:
         """(rows, columns) of a decoder layer's qkv, o, gate/up and down projections."""
@@ -170,12 +171,28 @@ class ModelCost:
         q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
         return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
 
+    def _projections(self, held: bool, batch: int = 1) -> list[tuple[float, list[tuple[int, int]]]]:
+        """(how many, shapes) of the decoder's projections: every layer's qkv and o, each dense layer's MLP, and
+        each sparse layer's routed experts (all of them in memory, held; else the ones a decode step of `batch`
+        tokens reads, expected) and shared expert. The routers are no projection (float32, never quantized)."""
+        a, moe = self.arch, self.arch.moe
+        qkv, o, gate_up, down = self._projection_shapes()
+        groups: list[tuple[float, list[tuple[int, int]]]] = [(a.num_layers, [qkv, o]),
+                                                             (a.num_layers - self.sparse_layers, [gate_up, down])]
+        if moe is not None:
+            h, e, s = a.hidden_size, moe.intermediate_size, moe.shared_intermediate_size
+            experts = moe.num_experts if held else self.experts_read(batch)
+            groups.append((self.sparse_layers * experts, [(2 * e, h), (h, e)]))
+            if s:
+                groups.append((self.sparse_layers, [(2 * s, h), (h, s)]))
+        return groups
+
     def decode_weight_bytes(self, batch: int = 1) -> int:
         rows = 0 if self.arch.tie_word_embeddings else batch * self.arch.hidden_size
         k = 0 if self.arch.moe is None else self.arch.moe.top_k
         extra = self._unread_expert_params(k) - self._unread_expert_params(self.experts_read(batch))
-        return (round(self.matmul_params + extra + rows) * self.elem_bytes - self.quantization_saving
-                - self.linear_dtype_saving(held=False, batch=batch)
+        return (round(self.matmul_params + extra + rows) * self.elem_bytes
+                - self.quantization_saving(held=False, batch=batch) - self.linear_dtype_saving(held=False, batch=batch)
                 + self.float32_router_bytes)
 
     @property
@@ -192,7 +209,8 @@ class ModelCost:
     def matmul_weight_bytes(self) -> int:
         """The bytes of the weights one token multiplies by (matmul_params), as they are stored (quantized or
         bf16-stored projections counted so)."""
-        return self.matmul_params * self.elem_bytes - self.quantization_saving - self.linear_dtype_saving(held=False)
+        return (self.matmul_params * self.elem_bytes - self.quantization_saving(held=False)
+                - self.linear_dtype_saving(held=False))
 
     def linear_dtype_saving(self, held: bool, batch: int = 1) -> int:
         """Bytes the projections (routed experts' and shared experts' included; not the float32 routers),
@@ -201,32 +219,26 @@ class ModelCost:
         matrix the lm_head multiplies by: a tied one is the embedding table)."""
         if self.linear_dtype is None or self.quantization is not None:
             return 0
-        qkv, o, gate_up, down = (r * c for r, c in self._projection_shapes())
-        dense_layers = self.arch.num_layers - self.sparse_layers
-        projections = self.arch.num_layers * (qkv + o) + dense_layers * (gate_up + down)
-        moe = self.arch.moe
-        if moe is not None:  # a sparse layer's experts (all held; a step reads its chosen ones) and shared expert
-            experts = moe.num_experts if held else self.experts_read(batch)
-            shared = 3 * self.arch.hidden_size * moe.shared_intermediate_size
-            projections += round(self.sparse_layers * (experts * self.expert_params + shared))
+        projections = round(sum(n * sum(r * c for r, c in shapes) for n, shapes in self._projections(held, batch)))
         vocab = self.embedding_params + self.lm_head_params if held else self.head_matmul_params
         return (projections + vocab) * (self.elem_bytes - dtype_bytes(self.linear_dtype))
 
-    @property
-    def quantization_saving(self) -> int:
-        """Bytes the quantized projections save over float ones (0 unquantized)."""
+    def quantization_saving(self, held: bool = True, batch: int = 1) -> int:
+        """Bytes the quantized projections (routed and shared experts' included) save over float ones (0
+        unquantized): in memory (held), or read by a decode step of `batch` tokens (the experts it reads)."""
         if self.quantization is None:
             return 0
         if self.quantization not in QUANTIZED_FORMATS:
             raise ValueError(f"quantization {self.quantization!r} unknown; choose from {QUANTIZED_FORMATS}")
-        shapes = self._projection_shapes()
-        quantized = 0
-        for rows, cols in shapes:
+
+        def saving(rows: int, cols: int) -> int:  # (int4 packs K padded to 32, W8A8 pads it to 64: their kernels')
             if self.quantization == "int4":
-                quantized += rows * cols // 2 + rows * -(-cols // INT4_GROUP) * 4
+                held_bytes = rows * -(-cols // 32) * 16 + rows * -(-cols // INT4_GROUP) * 4
             else:
-                quantized += rows * cols + rows * 8
-        return self.arch.num_layers * (sum(r * c for r, c in shapes) * self.elem_bytes - quantized)
+                held_bytes = rows * (-(-cols // 64) * 64 if self.quantization == "w8a8" else cols) + rows * 8
+            return rows * cols * self.elem_bytes - held_bytes
+
+        return round(sum(n * sum(saving(r, c) for r, c in shapes) for n, shapes in self._projections(held, batch)))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -20,7 +20,8 @@ from tokenmill.worker.worker import Worker
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 def test_model_cost_counts_the_loaded_bytes(model_dirs: dict[str, str], fmt: str) -> None:
-    for name in ("llama-gqa4-untied", "llama-gqa2-tied"):
+    # (the mixtures of experts: every expert's projections and a shared expert's are quantized, the routers not)
+    for name in ("llama-gqa4-untied", "llama-gqa2-tied", "mixtral-8x-top2", "qwen2moe-shared"):
         d = model_dirs[name]
         config = EngineArgs(d, dtype="float32", quantization=fmt, kv_cache_memory="8MiB").create_engine_config()
         worker = Worker(config)
