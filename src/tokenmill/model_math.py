@@ -27,7 +27,8 @@ Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from tokenmill.arch import ArchConfig
 from tokenmill.kv_cache_spec import DTYPE_BYTES, FLOAT_DTYPES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES
@@ -51,6 +52,8 @@ class ModelCost:
     quantization: str | None = None  # one of QUANTIZED_FORMATS: the projections' storage
     linear_dtype: str | None = None  # the projections', embedding's and lm_head's float storage where not dtype
     #                                  (bf16 weights under a float32 model: config.ModelConfig.linear_weight_dtype)
+    # decode_weight_bytes by batch, as worked out (the fields above decide them; not part of the value)
+    _decode_weight_bytes: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def elem_bytes(self) -> int:
@@ -127,7 +130,7 @@ class ModelCost:
         return dense + self.sparse_layers * (a.moe.num_experts * self.expert_params
                                              + self._sparse_mlp_params_besides_experts)
 
-    @property
+    @cached_property
     def params(self) -> int:
         a = self.arch
         layers = a.num_layers * (self.attention_params_per_layer + a.norms_per_layer * a.hidden_size) + self.mlp_params
@@ -146,7 +149,7 @@ class ModelCost:
         moe = self.arch.moe
         return 0.0 if moe is None else self.sparse_layers * (moe.num_experts - experts_read) * self.expert_params
 
-    @property
+    @cached_property
     def matmul_params(self) -> int:
         """Weights one token multiplies by: MoE layers count its k routed experts only."""
         k = 0 if self.arch.moe is None else self.arch.moe.top_k
@@ -188,6 +191,14 @@ class ModelCost:
         return groups
 
     def decode_weight_bytes(self, batch: int = 1) -> int:
+        """Weight bytes a decode step of `batch` tokens reads (worked out once per batch: the engine's step meter
+        asks every step)."""
+        known = self._decode_weight_bytes.get(batch)
+        if known is None:
+            known = self._decode_weight_bytes[batch] = self._weight_bytes_read(batch)
+        return known
+
+    def _weight_bytes_read(self, batch: int) -> int:
         rows = 0 if self.arch.tie_word_embeddings else batch * self.arch.hidden_size
         k = 0 if self.arch.moe is None else self.arch.moe.top_k
         extra = self._unread_expert_params(k) - self._unread_expert_params(self.experts_read(batch))
@@ -240,7 +251,7 @@ class ModelCost:
 
         return round(sum(n * sum(saving(r, c) for r, c in shapes) for n, shapes in self._projections(held, batch)))
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers, as the pool stores them (a quantized cache: one element
         byte per value plus a float32 scale per token and kv head, as FullAttentionSpec counts them)."""
@@ -259,7 +270,7 @@ class ModelCost:
             return self.kv_bytes_per_token
         return a.num_layers * a.num_heads * (a.mla.qk_head_dim + a.mla.v_head_dim) * self.elem_bytes
 
-    @property
+    @cached_property
     def attn_flops_per_position(self) -> int:
         """FLOPs one query token spends per position it attends to (QK^T plus PV, all layers)."""
         a = self.arch
