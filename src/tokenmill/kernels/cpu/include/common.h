@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace tokenmill {
 
@@ -49,6 +50,16 @@ inline void softmax_block(float* s, int64_t bs, int64_t n, int64_t hq, int64_t d
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
   }
+}
+
+// f(std::integral_constant<int, m>) for a row count m in [M, MAX] (MAX for any larger m): the templates' row
+// counts chosen at run time (M <= m)
+template <int M, int MAX, typename F>
+inline void with_rows(int64_t m, F&& f) {
+  if constexpr (M < MAX) {
+    if (m != M) return with_rows<M + 1, MAX>(m, f);
+  }
+  f(std::integral_constant<int, M>{});
 }
 
 inline float bf16_bits_to_f32(uint16_t h) {

@@ -32,6 +32,7 @@ constexpr int64_t kMc = 192;  // rows of x a block takes: kMc x kKc float32 (192
 
 using tokenmill::bf16_bits_to_f32;
 using tokenmill::widen8_bf16;
+using tokenmill::with_rows;
 
 // r[i] (row i, 8 floats) -> r[j] = column j
 inline void transpose8(__m256 r[8]) {
@@ -100,14 +101,7 @@ void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* o
 
 void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo,
                 bool first) {
-  switch (rows) {
-    case 1: return micro<1>(x, ldx, panel, kc, out, ldo, first);
-    case 2: return micro<2>(x, ldx, panel, kc, out, ldo, first);
-    case 3: return micro<3>(x, ldx, panel, kc, out, ldo, first);
-    case 4: return micro<4>(x, ldx, panel, kc, out, ldo, first);
-    case 5: return micro<5>(x, ldx, panel, kc, out, ldo, first);
-    default: return micro<6>(x, ldx, panel, kc, out, ldo, first);
-  }
+  with_rows<1, kMr>(rows, [&](auto r) { micro<decltype(r)::value>(x, ldx, panel, kc, out, ldo, first); });
 }
 
 at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -27,6 +26,7 @@ constexpr int64_t kLayerRows = 16;
 
 using tokenmill::bf16_bits_to_f32;
 using tokenmill::widen8_bf16;
+using tokenmill::with_rows;
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -116,16 +116,6 @@ void row_pair(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* 
     out[m] = s;
     out[M + m] = t;
   }
-}
-
-// f(std::integral_constant<int, m>) for a row count m in [M, MAX] (MAX for any larger m): the templates' row
-// counts chosen at run time
-template <int M, int MAX, typename F>
-inline void with_rows(int64_t m, F&& f) {
-  if constexpr (M < MAX) {
-    if (m != M) return with_rows<M + 1, MAX>(m, f);
-  }
-  f(std::integral_constant<int, M>{});
 }
 
 // m (2 <= m <= kPairRows) rows of x against weight rows w and w + K
