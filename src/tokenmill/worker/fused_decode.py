@@ -67,19 +67,16 @@ def _routing(layout: DecoderLayout) -> tuple[int, int, bool, float] | None:
     return routing.pop() if routing else (0, 0, False, 1.0)
 
 
-def _fusable(layer: LinearBase, dtype: torch.dtype) -> bool:
-    """Whether the kernel runs this projection for rows of `dtype` (quantized ones: bf16 rows only)."""
-    ptr = _gemv_ptr(layer)
-    if (layer.packed and ptr != 0) or ptr == WIDENED:
-        return True
-    return dtype == torch.bfloat16 and fused_projection(layer) is not None
-
-
-def _float_expert(layer: LinearBase) -> bool:
-    """Whether the kernel runs this routed expert's projection: a packed one (the GEMV or oneDNN) or a widened
-    one (routed experts are never quantized in the kernel)."""
+def _float_fusable(layer: LinearBase) -> bool:
+    """Whether the kernel runs this unquantized projection: a packed one (the GEMV or oneDNN) or a widened one.
+    Routed experts must be one (the kernel quantizes none of them)."""
     ptr = _gemv_ptr(layer)
     return ptr == WIDENED or (layer.packed and ptr != 0)
+
+
+def _fusable(layer: LinearBase, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs this projection for rows of `dtype` (quantized ones: bf16 rows only)."""
+    return _float_fusable(layer) or (dtype == torch.bfloat16 and fused_projection(layer) is not None)
 
 
 class FusedDecode:
@@ -174,7 +171,7 @@ class FusedDecode:
         for layer in layout.layers:
             dense = [layer.qkv, layer.o_proj] + ([] if layer.experts is not None else _projections(layer)[2:])
             experts = _projections(layer)[2:] if layer.experts is not None else []
-            if not all(_fusable(m, dtype) for m in dense) or not all(_float_expert(m) for m in experts):
+            if not all(_fusable(m, dtype) for m in dense) or not all(_float_fusable(m) for m in experts):
                 return None
         return cls(layout, ops, backend)
 

@@ -91,6 +91,8 @@ class StageTimes:
 
 
 class ModelRunner:
+    # ops: tokenmill's C++ kernels where the worker uses them (Worker.kernels: a bf16 or float32 model), for the
+    # sampler's argmax and the fused decode path; None elsewhere
     def __init__(self, config: EngineConfig, model: Any, backend: AttentionBackend, ops: Any,
                  kv_config: KVCacheConfig, kv_caches: KVCacheTensors, pp: PipelineParallel | None = None) -> None:
         self.config = config
@@ -100,7 +102,7 @@ class ModelRunner:
         # an earlier stage's steps whose sampled tokens it has not taken yet, oldest first
         self._tokens_behind: deque[_TokensBehind] = deque()
         self.model = model
-        self.backend = backend  # (ops: tokenmill's C++ kernels where the worker uses them, bf16 or float32 model)
+        self.backend = backend
         self.device = torch.device(config.device.device)
         self.block_size = kv_config.block_size
         self.kv_caches = kv_caches
