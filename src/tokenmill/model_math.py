@@ -32,6 +32,7 @@ from functools import cached_property
 
 from tokenmill.arch import ArchConfig
 from tokenmill.kv_cache_spec import DTYPE_BYTES, FLOAT_DTYPES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES
+from tokenmill.quantization_config import INT4_K_ALIGN, RTN_INT4_GROUP, W8A8_K_ALIGN, round_up
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -41,7 +42,7 @@ def dtype_bytes(dtype: str) -> int:
 
 
 QUANTIZED_FORMATS = ("int8", "w8a8", "int4")
-INT4_GROUP = 128
+INT4_GROUP = RTN_INT4_GROUP
 
 
 @dataclass(frozen=True)
@@ -242,11 +243,11 @@ class ModelCost:
         if self.quantization not in QUANTIZED_FORMATS:
             raise ValueError(f"quantization {self.quantization!r} unknown; choose from {QUANTIZED_FORMATS}")
 
-        def saving(rows: int, cols: int) -> int:  # (int4 packs K padded to 32, W8A8 pads it to 64: their kernels')
+        def saving(rows: int, cols: int) -> int:  # (with the kernels' padded K)
             if self.quantization == "int4":
-                held_bytes = rows * -(-cols // 32) * 16 + rows * -(-cols // INT4_GROUP) * 4
+                held_bytes = rows * round_up(cols, INT4_K_ALIGN) // 2 + rows * -(-cols // INT4_GROUP) * 4
             else:
-                held_bytes = rows * (-(-cols // 64) * 64 if self.quantization == "w8a8" else cols) + rows * 8
+                held_bytes = rows * (round_up(cols, W8A8_K_ALIGN) if self.quantization == "w8a8" else cols) + rows * 8
             return rows * cols * self.elem_bytes - held_bytes
 
         return round(sum(n * sum(saving(r, c) for r, c in shapes) for n, shapes in self._projections(held, batch)))

@@ -22,6 +22,14 @@ RTN_METHODS = ("int8", "int4", "w8a8")
 QUANTIZATION_METHODS = CHECKPOINT_METHODS + RTN_METHODS
 SCHEMES = ("int8", "int4", "w8a8")  # W8A16 per channel, W4A16 group-wise, W8A8 per channel x per token
 RTN_INT4_GROUP = 128
+# the kernels' layouts pad K to a multiple of these (layers/quantization/reference.py makes them; ModelCost counts them)
+INT4_K_ALIGN = 32
+W8A8_K_ALIGN = 64
+
+
+def round_up(n: int, m: int) -> int:
+    """n rounded up to a multiple of m."""
+    return -(-n // m) * m
 
 
 @dataclass(frozen=True)

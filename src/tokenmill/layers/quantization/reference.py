@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+from tokenmill.quantization_config import INT4_K_ALIGN, W8A8_K_ALIGN, round_up
 
 
 def num_groups(in_features: int, group: int) -> int:
@@ -56,7 +54,7 @@ def rtn_int4(weight: torch.Tensor, group: int, zero_point: bool) -> tuple[torch.
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q uint8 [N, K] (values 0..15) -> the kernels' packed [N, Kp/2]."""
     n, k = q.shape
-    runs = F.pad(q.to(torch.uint8), (0, round_up(k, 32) - k)).view(n, -1, 2, 16)
+    runs = F.pad(q.to(torch.uint8), (0, round_up(k, INT4_K_ALIGN) - k)).view(n, -1, 2, 16)
     return (runs[:, :, 0, :] | (runs[:, :, 1, :] << 4)).reshape(n, -1).contiguous()
 
 
@@ -75,7 +73,7 @@ def weight_sum(q: torch.Tensor) -> torch.Tensor:
 def w8a8_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] -> (the W8A8 kernel's zero-padded [N, Kp], row sums int32 [N])."""
     k = q.shape[1]
-    return F.pad(q, (0, round_up(k, 64) - k)).contiguous(), weight_sum(q)
+    return F.pad(q, (0, round_up(k, W8A8_K_ALIGN) - k)).contiguous(), weight_sum(q)
 
 
 # ---- the references -----------------------------------------------------------------------------------
