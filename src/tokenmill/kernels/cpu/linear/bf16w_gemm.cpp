@@ -75,9 +75,11 @@ void pack_panel(const uint16_t* w, int64_t K, int64_t n0, int64_t cols, int64_t 
 }
 
 // R rows of x (stride ldx, from column k0 of the block) times a packed panel over kc: acc -> out (R x kNr, stride
-// ldo), added to what out holds unless first
+// ldo), added to what out holds unless first. Inlined into its caller: compiled on its own (as with_rows's lambda
+// leaves it), GCC 12 kept the accumulators on the stack, storing each of them every k (bench/README.md).
 template <int R>
-void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, bool first) {
+__attribute__((always_inline)) inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out,
+                                                 int64_t ldo, bool first) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
