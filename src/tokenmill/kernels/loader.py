@@ -17,8 +17,10 @@ import torch
 logger = logging.getLogger(__name__)
 _CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 _INCLUDE_DIR = os.path.join(_CPU_DIR, "include")
-# no -ffast-math: the fused ops must round like the torch reference
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
+# no -ffast-math: the fused ops must round like the torch reference. -fno-trapping-math changes no value (nothing
+# reads the floating-point exception flags); without it GCC 12 vectorizes no loop that calls exp_approx, whose
+# clamp it will not turn into min/max instructions, so SiLU-and-mul and the attention softmax ran scalar
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512", "-fno-trapping-math"]
 # torch caches a build by name and rebuilds when the sources' paths change, so two checkouts sharing
 # one name rebuilt each other's kernels (a full rebuild at the next start); a name per source directory does not
 _NAME = "tokenmill_cpu_kernels_" + hashlib.sha1(_CPU_DIR.encode()).hexdigest()[:10]
