@@ -88,6 +88,18 @@ inline void for_each_block(const int32_t* table, const T* kc, const T* vc, int64
   }
 }
 
+// for_each_block's visit without its prefetch: fn(base, n, next) also gets the element offset of the next
+// block's first row (-1 for the last block), for a caller that prefetches it a row at a time as it works
+template <typename Fn>
+inline void for_each_block_next(const int32_t* table, int64_t bs, int64_t row_len, int64_t start, int64_t len,
+                                Fn&& fn) {
+  for (int64_t bi = start / bs; bi * bs < len; ++bi) {
+    const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
+    const int64_t next = (bi + 1) * bs < len ? table[bi + 1] * bs * row_len : -1;
+    fn((table[bi] * bs + (p0 - bi * bs)) * row_len, n, next);
+  }
+}
+
 inline void reset(std::vector<float>& acc, std::vector<float>& m, std::vector<float>& l) {
   std::fill(acc.begin(), acc.end(), 0.f);
   std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -182,11 +194,16 @@ void decode_f32_avx2(const float* q, int64_t q_seq_stride, int64_t q_head_stride
         for (int64_t d = 0; d < DIM; ++d) qf[h * DIM + d] = qh[d] * scale;
       }
       reset(acc, m, l);
-      for_each_block(tables + b * max_blocks, kc, vc, bs, row_len, start, len, [&](int64_t base, int64_t n) {
+      for_each_block_next(tables + b * max_blocks, bs, row_len, start, len, [&](int64_t base, int64_t n,
+                                                                                int64_t next) {
         for (int64_t kh = 0; kh < hk; ++kh) {
           const float* qg = qf.data() + kh * group * DIM;
           float* sg = s.data() + kh * group * bs;
           for (int64_t j = 0; j < n; ++j) {
+            if (next >= 0) {  // the next block's K and V rows of this head, a row per key scored
+              prefetch(kc + next + j * row_len + kh * DIM, DIM);
+              prefetch(vc + next + j * row_len + kh * DIM, DIM);
+            }
             const float* k = kc + base + j * row_len + kh * DIM;
             int64_t g = 0;
             for (; g + 4 <= group; g += 4) {
