@@ -6,10 +6,12 @@
 // float32 model's up to summation order.
 //
 // Blocking (the outer-product form of BLIS-style GEMMs): the output columns are split between the threads. For a
-// block of kMc rows of x and kKc of K, a thread packs each kNr-column panel of its weights, widened and transposed
-// to [k][kNr] (the pack is the only place a bf16 weight is read), and runs every kMr-row strip of the block against
-// it: the micro-kernel keeps kMr x kNr accumulators (12 AVX2 registers) and takes one broadcast of x and two panel
-// loads a k, the panel (16 KiB) reused from L1 across the strips, the block's rows of x from L2.
+// block of kMc rows of x, a thread takes its kNr-column panels of the weight one at a time, and for each kKc of K
+// packs the panel's slice, widened and transposed to [k][kNr] (the pack is the only place a bf16 weight is read),
+// and runs every kMr-row strip of the block against it: the micro-kernel keeps kMr x kNr accumulators (12 AVX2
+// registers) and takes one broadcast of x and two panel loads a k, the packed slice (16 KiB) reused from L1 across
+// the strips. A panel's outputs (kMc x kNr) stay in cache between K's slices, so a wide output (an lm_head's) is
+// not written back and read again for each slice.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,7 +30,7 @@ namespace {
 constexpr int64_t kMr = 6;    // rows of x a micro-kernel takes
 constexpr int64_t kNr = 16;   // output columns a micro-kernel (and a packed panel) takes
 constexpr int64_t kKc = 256;  // K a block takes: a packed panel is kKc x kNr float32 (16 KiB, in L1)
-constexpr int64_t kMc = 192;  // rows of x a block takes: kMc x kKc float32 (192 KiB, in L2)
+constexpr int64_t kMc = 192;  // rows of x a block takes: a panel reads the block's kMc x K float32 once
 
 using tokenmill::bf16_bits_to_f32;
 using tokenmill::widen8_bf16;
@@ -129,11 +131,11 @@ at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
     alignas(32) float edge[kMr * kNr];  // a partial panel's outputs, before they go to y
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t mc = std::min(kMc, M - m0);
-      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-        const int64_t kc = std::min(kKc, K - k0);
-        const bool first = k0 == 0;
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t n0 = p * kNr, cols = std::min(kNr, N - n0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kNr, cols = std::min(kNr, N - n0);
+        for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+          const int64_t kc = std::min(kKc, K - k0);
+          const bool first = k0 == 0;
           pack_panel(wp, K, n0, cols, k0, kc, panel);
           for (int64_t i = m0; i < m0 + mc; i += kMr) {
             const int64_t rows = std::min(kMr, m0 + mc - i);
