@@ -13,8 +13,8 @@ ops = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="the C++ CPU kernels could not be built here")
 
 
-@pytest.mark.parametrize("kind, flag", [("avx512_fp32", "avx512f"), ("avx512_bf16", "avx512_bf16"),
-                                        ("amx_bf16", "amx_bf16")])
+@pytest.mark.parametrize("kind, flag", [("avx512_fp32", "avx512f"), ("avx2_fp32", "avx2"),
+                                        ("avx512_bf16", "avx512_bf16"), ("amx_bf16", "amx_bf16")])
 def test_peak_loops_run_where_the_cpu_has_them(kind: str, flag: str) -> None:
     rate = ops.roofline_peak(kind, 2000, 1)
     if flag in isa_flags():

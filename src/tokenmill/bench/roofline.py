@@ -7,8 +7,9 @@ roofline.py method, same field names):
   mem_copy_GBps         copy of half that array into another (bytes read + written)
   matvec_bf16_GBps      decode-shaped bf16 linear, batch 1, 256 MiB of weights
   mem_read_GBps         the read ceiling: the best of the three reads above
-  peak_fp32_avx512_gflops, peak_bf16_avx512_gflops, peak_bf16_amx_gflops
-                        register-blocked VFMADD / VDPBF16PS / AMX TDPBF16PS loops, no memory operands
+  peak_fp32_avx512_gflops, peak_fp32_avx2_gflops, peak_bf16_avx512_gflops, peak_bf16_amx_gflops
+                        register-blocked VFMADD (512- and 256-bit) / VDPBF16PS / AMX TDPBF16PS loops, no
+                        memory operands
                         (0 where the CPU or the compiler lacks the instructions)
   matmul_{fp32,bf16}_gflops  torch n x n matmul, 2*n^3 flops
   peak_{fp32,bf16}_gflops    the compute ceilings: the best of the loops and torch's matmul of the dtype
@@ -44,8 +45,8 @@ from tokenmill.metrics.ceilings import (
 )
 
 FIELDS = ("mem_read_GBps", "mem_read_stream_GBps", "mem_read_torch_GBps", "mem_copy_GBps", "matvec_bf16_GBps",
-          "peak_fp32_gflops", "peak_bf16_gflops", "peak_fp32_avx512_gflops", "peak_bf16_avx512_gflops",
-          "peak_bf16_amx_gflops", "matmul_fp32_gflops", "matmul_bf16_gflops")
+          "peak_fp32_gflops", "peak_bf16_gflops", "peak_fp32_avx512_gflops", "peak_fp32_avx2_gflops",
+          "peak_bf16_avx512_gflops", "peak_bf16_amx_gflops", "matmul_fp32_gflops", "matmul_bf16_gflops")
 PEAK_LOOP_S = 0.2  # each timed peak loop runs about this long
 
 
@@ -104,8 +105,8 @@ def kernel_peaks(threads: int, reps: int) -> dict[str, float]:
 
     ops = load_cpu_kernels()
     out = {}
-    for field, kind in (("peak_fp32_avx512_gflops", "avx512_fp32"), ("peak_bf16_avx512_gflops", "avx512_bf16"),
-                        ("peak_bf16_amx_gflops", "amx_bf16")):
+    for field, kind in (("peak_fp32_avx512_gflops", "avx512_fp32"), ("peak_fp32_avx2_gflops", "avx2_fp32"),
+                        ("peak_bf16_avx512_gflops", "avx512_bf16"), ("peak_bf16_amx_gflops", "amx_bf16")):
         rate = 0.0
         if ops is not None:
             t0 = time.perf_counter()
@@ -147,9 +148,10 @@ def measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7, device
         m1, m2 = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
         r[name] = 2 * n**3 / best(partial(torch.matmul, m1, m2), 3, device) / 1e9
     r.update(kernel_peaks(threads, reps) if device == "cpu" else
-             dict.fromkeys(("peak_fp32_avx512_gflops", "peak_bf16_avx512_gflops", "peak_bf16_amx_gflops"), 0.0))
+             dict.fromkeys(("peak_fp32_avx512_gflops", "peak_fp32_avx2_gflops", "peak_bf16_avx512_gflops",
+                            "peak_bf16_amx_gflops"), 0.0))
     r["mem_read_GBps"] = max(r["mem_read_stream_GBps"], r["mem_read_torch_GBps"], r["matvec_bf16_GBps"])
-    r["peak_fp32_gflops"] = max(r["peak_fp32_avx512_gflops"], r["matmul_fp32_gflops"])
+    r["peak_fp32_gflops"] = max(r["peak_fp32_avx512_gflops"], r["peak_fp32_avx2_gflops"], r["matmul_fp32_gflops"])
     r["peak_bf16_gflops"] = max(r["peak_bf16_avx512_gflops"], r["peak_bf16_amx_gflops"], r["matmul_bf16_gflops"])
     return {k: round(v, 1) for k, v in r.items()}
 

@@ -41,6 +41,28 @@ float fp32_fma_loop(int64_t iters) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int kChainsAvx2 = 12;  // of the 16 ymm registers, with the two operands: still more than latency x ports
+
+// 16 FLOPs per 256-bit vfmadd (8 lanes x mul + add)
+float fp32_fma_avx2_loop(int64_t iters) {
+  __m256 acc[kChainsAvx2];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const __m256 x = _mm256_set1_ps(1.0f), y = _mm256_set1_ps(1e-7f);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int c = 0; c < kChainsAvx2; ++c) acc[c] = _mm256_fmadd_ps(acc[c], x, y);
+  }
+  __m256 s = acc[0];
+  for (int c = 1; c < kChainsAvx2; ++c) s = _mm256_add_ps(s, acc[c]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, s);
+  float sum = 0.0f;
+  for (float v : lanes) sum += v;
+  return sum;
+}
+#endif
+
 #ifdef __AVX512BF16__
 // 64 FLOPs per vdpbf16ps (16 lanes x 2 bf16 products, each mul + add)
 float bf16_dot_loop(int64_t iters) {
@@ -106,13 +128,16 @@ PeakLoop peak_loop(const std::string& kind) {
 #ifdef __AVX512F__
   if (kind == "avx512_fp32") return {32.0 * kChains, fp32_fma_loop};
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (kind == "avx2_fp32") return {16.0 * kChainsAvx2, fp32_fma_avx2_loop};
+#endif
 #ifdef __AVX512BF16__
   if (kind == "avx512_bf16") return {64.0 * kChains, bf16_dot_loop};
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
   if (kind == "amx_bf16") return {4 * 16384.0, amx_bf16_loop};
 #endif
-  TORCH_CHECK(kind == "avx512_fp32" || kind == "avx512_bf16" || kind == "amx_bf16",
+  TORCH_CHECK(kind == "avx512_fp32" || kind == "avx2_fp32" || kind == "avx512_bf16" || kind == "amx_bf16",
               "roofline_peak: unknown kind ", kind);
   return {0.0, nullptr};
 }
