@@ -25,19 +25,28 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 constexpr int kChains = 16;  // independent accumulators: more than latency x issue ports of an FMA unit
 
+// C independent chains acc = step(acc), iters rounds from zeros, in registers; returns the sum of every lane of
+// every chain, so that the loop is not dead code. V: a GCC vector of floats (__m256, __m512).
+template <typename V, int C, typename Step>
+float chains(int64_t iters, Step step) {
+  V acc[C];
+  for (auto& a : acc) a = V{};
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[c] = step(acc[c]);
+  }
+  V s = acc[0];
+  for (int c = 1; c < C; ++c) s += acc[c];
+  float sum = 0.0f;
+  for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(float)); ++l) sum += s[l];
+  return sum;
+}
+
 #ifdef __AVX512F__
 // 32 FLOPs per vfmadd (16 lanes x mul + add)
 float fp32_fma_loop(int64_t iters) {
-  __m512 acc[kChains];
-  for (auto& a : acc) a = _mm512_setzero_ps();
   const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-7f);
-  for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 16
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], x, y);
-  }
-  __m512 s = acc[0];
-  for (int c = 1; c < kChains; ++c) s = _mm512_add_ps(s, acc[c]);
-  return _mm512_reduce_add_ps(s);
+  return chains<__m512, kChains>(iters, [&](__m512 a) { return _mm512_fmadd_ps(a, x, y); });
 }
 #endif
 
@@ -46,37 +55,17 @@ constexpr int kChainsAvx2 = 12;  // of the 16 ymm registers, with the two operan
 
 // 16 FLOPs per 256-bit vfmadd (8 lanes x mul + add)
 float fp32_fma_avx2_loop(int64_t iters) {
-  __m256 acc[kChainsAvx2];
-  for (auto& a : acc) a = _mm256_setzero_ps();
   const __m256 x = _mm256_set1_ps(1.0f), y = _mm256_set1_ps(1e-7f);
-  for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 12
-    for (int c = 0; c < kChainsAvx2; ++c) acc[c] = _mm256_fmadd_ps(acc[c], x, y);
-  }
-  __m256 s = acc[0];
-  for (int c = 1; c < kChainsAvx2; ++c) s = _mm256_add_ps(s, acc[c]);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, s);
-  float sum = 0.0f;
-  for (float v : lanes) sum += v;
-  return sum;
+  return chains<__m256, kChainsAvx2>(iters, [&](__m256 a) { return _mm256_fmadd_ps(a, x, y); });
 }
 #endif
 
 #ifdef __AVX512BF16__
 // 64 FLOPs per vdpbf16ps (16 lanes x 2 bf16 products, each mul + add)
 float bf16_dot_loop(int64_t iters) {
-  __m512 acc[kChains];
-  for (auto& a : acc) a = _mm512_setzero_ps();
   const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
   const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3380);  // bf16 ~6e-8
-  for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 16
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
-  }
-  __m512 s = acc[0];
-  for (int c = 1; c < kChains; ++c) s = _mm512_add_ps(s, acc[c]);
-  return _mm512_reduce_add_ps(s);
+  return chains<__m512, kChains>(iters, [&](__m512 a) { return _mm512_dpbf16_ps(a, x, y); });
 }
 #endif
 
