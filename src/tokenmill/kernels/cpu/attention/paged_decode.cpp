@@ -71,25 +71,9 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < len; ++i) y[i] += p * x[i];
 }
 
-// Visits a sequence's context [start, len) block by block: fn(base, n) gets the element offset of
-// the first row (all kv heads of a row are contiguous) and the row count; the next block's K and V
-// are prefetched while fn works, since blocks live anywhere in the pool.
-template <typename T, typename Fn>
-inline void for_each_block(const int32_t* table, const T* kc, const T* vc, int64_t bs, int64_t row_len,
-                           int64_t start, int64_t len, Fn&& fn) {
-  for (int64_t bi = start / bs; bi * bs < len; ++bi) {
-    const int64_t p0 = std::max(start, bi * bs), n = std::min(len, (bi + 1) * bs) - p0;
-    if ((bi + 1) * bs < len) {
-      const int64_t next = table[bi + 1] * bs * row_len;
-      prefetch(kc + next, bs * row_len);
-      prefetch(vc + next, bs * row_len);
-    }
-    fn((table[bi] * bs + (p0 - bi * bs)) * row_len, n);
-  }
-}
-
-// for_each_block's visit without its prefetch: fn(base, n, next) also gets the element offset of the next
-// block's first row (-1 for the last block), for a caller that prefetches it a row at a time as it works
+// Visits a sequence's context [start, len) block by block: fn(base, n, next) gets the element offset of the
+// block's first row (all kv heads of a row are contiguous), the row count, and the offset of the next block's
+// first row (-1 for the last block), for a caller that prefetches the next block a row at a time as it works
 template <typename Fn>
 inline void for_each_block_next(const int32_t* table, int64_t bs, int64_t row_len, int64_t start, int64_t len,
                                 Fn&& fn) {
@@ -98,6 +82,20 @@ inline void for_each_block_next(const int32_t* table, int64_t bs, int64_t row_le
     const int64_t next = (bi + 1) * bs < len ? table[bi + 1] * bs * row_len : -1;
     fn((table[bi] * bs + (p0 - bi * bs)) * row_len, n, next);
   }
+}
+
+// for_each_block_next with fn(base, n): the next block's K and V are prefetched whole before fn works on this
+// one, since blocks live anywhere in the pool
+template <typename T, typename Fn>
+inline void for_each_block(const int32_t* table, const T* kc, const T* vc, int64_t bs, int64_t row_len,
+                           int64_t start, int64_t len, Fn&& fn) {
+  for_each_block_next(table, bs, row_len, start, len, [&](int64_t base, int64_t n, int64_t next) {
+    if (next >= 0) {
+      prefetch(kc + next, bs * row_len);
+      prefetch(vc + next, bs * row_len);
+    }
+    fn(base, n);
+  });
 }
 
 inline void reset(std::vector<float>& acc, std::vector<float>& m, std::vector<float>& l) {
