@@ -44,9 +44,12 @@ from tokenmill.metrics.ceilings import (
     read_cache,
 )
 
+# (field, roofline_peak kind) of each peak loop
+PEAK_LOOPS = (("peak_fp32_avx512_gflops", "avx512_fp32"), ("peak_fp32_avx2_gflops", "avx2_fp32"),
+              ("peak_bf16_avx512_gflops", "avx512_bf16"), ("peak_bf16_amx_gflops", "amx_bf16"))
 FIELDS = ("mem_read_GBps", "mem_read_stream_GBps", "mem_read_torch_GBps", "mem_copy_GBps", "matvec_bf16_GBps",
-          "peak_fp32_gflops", "peak_bf16_gflops", "peak_fp32_avx512_gflops", "peak_fp32_avx2_gflops",
-          "peak_bf16_avx512_gflops", "peak_bf16_amx_gflops", "matmul_fp32_gflops", "matmul_bf16_gflops")
+          "peak_fp32_gflops", "peak_bf16_gflops", *(field for field, _ in PEAK_LOOPS), "matmul_fp32_gflops",
+          "matmul_bf16_gflops")
 PEAK_LOOP_S = 0.2  # each timed peak loop runs about this long
 
 
@@ -105,8 +108,7 @@ def kernel_peaks(threads: int, reps: int) -> dict[str, float]:
 
     ops = load_cpu_kernels()
     out = {}
-    for field, kind in (("peak_fp32_avx512_gflops", "avx512_fp32"), ("peak_fp32_avx2_gflops", "avx2_fp32"),
-                        ("peak_bf16_avx512_gflops", "avx512_bf16"), ("peak_bf16_amx_gflops", "amx_bf16")):
+    for field, kind in PEAK_LOOPS:
         rate = 0.0
         if ops is not None:
             t0 = time.perf_counter()
@@ -148,8 +150,7 @@ def measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7, device
         m1, m2 = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
         r[name] = 2 * n**3 / best(partial(torch.matmul, m1, m2), 3, device) / 1e9
     r.update(kernel_peaks(threads, reps) if device == "cpu" else
-             dict.fromkeys(("peak_fp32_avx512_gflops", "peak_fp32_avx2_gflops", "peak_bf16_avx512_gflops",
-                            "peak_bf16_amx_gflops"), 0.0))
+             dict.fromkeys((field for field, _ in PEAK_LOOPS), 0.0))
     r["mem_read_GBps"] = max(r["mem_read_stream_GBps"], r["mem_read_torch_GBps"], r["matvec_bf16_GBps"])
     r["peak_fp32_gflops"] = max(r["peak_fp32_avx512_gflops"], r["peak_fp32_avx2_gflops"], r["matmul_fp32_gflops"])
     r["peak_bf16_gflops"] = max(r["peak_bf16_avx512_gflops"], r["peak_bf16_amx_gflops"], r["matmul_bf16_gflops"])
