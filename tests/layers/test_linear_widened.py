@@ -1,7 +1,8 @@
-"""bf16 weights kept as the checkpoint stores them under a float32 model (a CPU without bf16 arithmetic,
-dtype auto): the C++ GEMV that widens them (bf16w_gemv, AVX2), the C++ product past its rows (bf16w_gemm) and
-the tiled torch product equal F.linear over the widened weight to float32 rounding, in a layer too; the engine
-config chooses that storage only for a bf16 checkpoint that dtype auto runs in float32 on such a CPU."""
+"""bf16 weights kept in bf16 under a float32 model (a CPU without bf16 arithmetic, dtype auto): the C++ product
+over them stored in panels (bf16p_gemm, AVX2), the C++ GEMV that widens them as loaded (bf16w_gemv), the C++
+product past its rows (bf16w_gemm) and the tiled torch product equal F.linear over the widened weight to float32
+rounding, in a layer too; the engine config chooses that storage only for a bf16 checkpoint that dtype auto runs
+in float32 on such a CPU."""
 
 from __future__ import annotations
 
@@ -67,6 +68,44 @@ def test_bf16w_gemm_matches_linear_over_the_widened_weight(rows: int, n: int, k:
         OPS.bf16w_gemm(x, w.float(), None)
 
 
+@pytest.mark.skipif(not HAS_GEMV, reason="the C++ kernels with AVX2/FMA are not built here")
+# rows: none, one (two k a step: odd K leaves a tail), whole and partial 6-row strips, past one 192-row block;
+# n: one panel and several; k: none, one, under a vector, past one 256-wide slice with a tail
+@pytest.mark.parametrize(("rows", "n", "k"), [(0, 16, 64), (1, 16, 1), (1, 48, 301), (2, 32, 7), (6, 16, 8),
+                                              (17, 64, 300), (200, 48, 520), (64, 128, 1029), (3, 0, 64), (4, 16, 0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16p_gemm_over_panels_matches_linear_over_the_widened_weight(rows: int, n: int, k: int,
+                                                                       threads: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 3, generator=gen)[:, 1:k + 1]  # rows strided past k
+    panels = linear.bf16_panels(w)
+    assert panels.shape == (n // 16, k, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (b, None):  # against the float64 product, as bf16w_gemm's
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+            torch.testing.assert_close(OPS.bf16p_gemm(x, panels, bias), want, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="panels"):
+        OPS.bf16p_gemm(x, w, None)  # a weight as loaded is not panels
+
+
+def test_bf16_panels_layout() -> None:
+    # panel p, k, 32-bit word i: column 16p + i in its low half, 16p + 8 + i in its high half
+    w = torch.arange(32 * 3, dtype=torch.float32).view(32, 3).to(torch.bfloat16)
+    panels = linear.bf16_panels(w)
+    for p in range(2):
+        for k in range(3):
+            for i in range(8):
+                assert panels[p, k, 2 * i] == w[16 * p + i, k] and panels[p, k, 2 * i + 1] == w[16 * p + 8 + i, k]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        linear.bf16_panels(w[:20])
+
+
 def test_widened_linear_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "WIDEN_TILE_BYTES", 4 * 50 * 16)  # tiles of 16 features: 45 takes three
     gen = torch.Generator().manual_seed(1)
@@ -77,28 +116,36 @@ def test_widened_linear_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 33])
 @pytest.mark.parametrize("bf16_packs", [False, True], ids=["no-bf16-path", "bf16-path"])
+# 48 output features: whole panels (bf16_panels' layout, bf16p_gemm for every row count); 40: kept as loaded
+@pytest.mark.parametrize("n", [40, 48])
 def test_layer_keeps_bf16_weights_and_multiplies_in_float32(monkeypatch: pytest.MonkeyPatch, rows: int,
-                                                            bf16_packs: bool) -> None:
+                                                            bf16_packs: bool, n: int) -> None:
     # where oneDNN could pack bf16 (the engine does not choose this storage there), the weights stay unpacked
     monkeypatch.setattr(linear, "packing_available", lambda: bf16_packs)
     method = UnquantizedLinearMethod(weight_dtype=torch.bfloat16, widen_ops=OPS if HAS_GEMV else None)
-    layer = Linear(64, 40, True, torch.float32, method)
+    layer = Linear(64, n, True, torch.float32, method)
     gen = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(40, 64, generator=gen).to(torch.bfloat16), torch.randn(40, generator=gen)
+    w, b = torch.randn(n, 64, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
     layer.weight_loader(layer.weight, w)
     assert layer.bias is not None
     layer.weight_loader(layer.bias, b)
     method.process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32 and not layer.packed
+    panels = HAS_GEMV and n % 16 == 0
+    assert isinstance(layer.gemv_ops, linear.PanelGemm) == panels
+    assert layer.weight.shape == ((n // 16, 64, 16) if panels else (n, 64))
     calls: list[int] = []
-    if method.widen_gemv is not None:  # past the GEMV's rows, the C++ product (without it, widened tiles)
+    if panels:
+        product = layer.gemv_ops.packed_gemv
+        monkeypatch.setattr(layer.gemv_ops, "packed_gemv", lambda *args: calls.append(1) or product(*args))
+    elif method.widen_gemv is not None:  # past the GEMV's rows, the C++ product (without it, widened tiles)
         gemm = method.widen_gemv.gemm
         monkeypatch.setattr(method.widen_gemv, "gemm", lambda *args: calls.append(1) or gemm(*args))
     x = torch.randn(2, rows, 64, generator=gen)
     y = layer(x)
-    assert y.dtype == torch.float32 and y.shape == (2, rows, 40)
+    assert y.dtype == torch.float32 and y.shape == (2, rows, n)
     close(y, F.linear(x, w.float(), b))
-    assert len(calls) == (1 if HAS_GEMV and 2 * rows > 16 else 0)
+    assert len(calls) == (1 if panels or (HAS_GEMV and 2 * rows > 16) else 0)
 
 
 @pytest.mark.parametrize(("runs_bf16", "dtype", "want"), [(False, "auto", "bfloat16"), (True, "auto", None),

@@ -19,7 +19,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kernels.triton.gemv import TritonGemv, gated_gemv
 from tokenmill.layers import linear
-from tokenmill.layers.linear import LinearBase, WidenedGemv, use_triton_gemv
+from tokenmill.layers.linear import LinearBase, PanelGemm, WidenedGemv, use_triton_gemv
 
 BACKENDS = ["torch_ref", "sdpa", "cpu"]
 PROMPTS = random_prompts(9, 3, 60, seed=1)  # mistral's window (24) is shorter than most
@@ -109,16 +109,20 @@ def test_triton_backend(model_dirs: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("name", ["llama-gqa4-untied", "llama-gqa2-tied", "gemma2-softcap", "mixtral-8x-top2",
                                   "qwen2moe-shared", "qwen3moe-norm"])
+# panels: every weight not read outside its layer in bf16_panels' layout, bf16p_gemm for every row count; widened:
+# every weight as loaded, the widening GEMV for decode rows and bf16w_gemm for prefill chunks
+@pytest.mark.parametrize("layout", ["panels", "widened"])
 def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str,
-                                               monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+                                               monkeypatch: pytest.MonkeyPatch, name: str, layout: str) -> None:
     # dtype auto on an AVX2-only CPU: a bf16 checkpoint runs in float32 with its linear weights (routed and shared
-    # experts' too; not the float32 routers) kept in bf16 (widened in the product: the C++ GEMV for decode rows,
-    # the C++ product for prefill), against transformers in float32 over the same bf16 weights; forced here on any
-    # CPU
+    # experts' too; not the float32 routers) kept in bf16 and widened in the product, against transformers in
+    # float32 over the same bf16 weights; forced here on any CPU
     kernels = load_cpu_kernels()
     if kernels is None or int(kernels.bf16w_gemv_max_rows()) == 0:
         pytest.skip("the C++ bf16 GEMV (AVX2) is not built here")
     monkeypatch.setattr(config, "cpu_runs_bf16", lambda: False)
+    if layout == "widened":
+        monkeypatch.setattr(linear, "panels_take", lambda layer: False)
     model_dir = build_model(name, str(tmp_path_factory.mktemp("bf16") / name), tokenizer_dir, dtype="bfloat16")
     llm = LLM(model_dir, kv_cache_memory="8MiB", max_num_seqs=4)
     assert llm.engine.config.model.dtype == "float32"
@@ -126,24 +130,31 @@ def test_bf16_checkpoint_on_a_cpu_without_bf16(tmp_path_factory: pytest.TempPath
     model = llm.engine.core.executor.worker.model
     assert model.lm_head.weight.dtype == model.embed_tokens.weight.dtype == torch.bfloat16
     assert not model.lm_head.packed
-    calls = {"gemv": 0, "gemm": 0}
+    calls = {"gemv": 0, "gemm": 0, "panels": 0}
 
-    def gemv(*args: Any) -> Any:
-        calls["gemv"] += 1
-        return kernels.bf16w_gemv(*args)
-
-    def gemm(*args: Any) -> Any:
-        calls["gemm"] += 1
-        return kernels.bf16w_gemm(*args)
+    def counted(name: str, op: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls[name] += 1
+            return op(*args)
+        return call
 
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    assert all(isinstance(m.gemv_ops, WidenedGemv) for m in layers)  # every layer's GEMV slot holds the C++ GEMV
+    in_panels = [m for m in layers if layout == "panels" and not m.weight_read_outside]  # (not a tied lm_head)
+    assert in_panels or layout == "widened"
+    assert all(isinstance(m.gemv_ops, PanelGemm) for m in in_panels)
+    assert all(isinstance(m.gemv_ops, WidenedGemv) for m in layers if m not in in_panels)
     for m in layers:
-        monkeypatch.setattr(m.gemv_ops, "packed_gemv", gemv)
-        monkeypatch.setattr(m.gemv_ops, "gemm", gemm)
+        if m in in_panels:
+            monkeypatch.setattr(m.gemv_ops, "packed_gemv", counted("panels", kernels.bf16p_gemm))
+        else:
+            monkeypatch.setattr(m.gemv_ops, "packed_gemv", counted("gemv", kernels.bf16w_gemv))
+            monkeypatch.setattr(m.gemv_ops, "gemm", counted("gemm", kernels.bf16w_gemm))
     prompts, max_tokens = PROMPTS[:4], MAX_TOKENS[:4]
     assert run(llm, prompts, max_tokens) == [hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens)]
-    assert calls["gemv"] > 0 and calls["gemm"] > 0  # decode rows, and prefill chunks over 16 tokens
+    if layout == "panels":
+        assert calls["panels"] > 0 and calls["gemm"] == 0  # (a tied lm_head's rows are the few sampled ones)
+    else:
+        assert calls["gemv"] > 0 and calls["gemm"] > 0 and calls["panels"] == 0  # decode rows; prefill chunks
 
 
 def test_triton_gemv(model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -91,6 +92,9 @@ class LinearBase(nn.Module):
         self.gemv_ops: Any = None
         self.gemv_max_rows = 0
         self.gemv_gated: Any = None  # gemv_ops.gated_gemv where it has one (resolved once: not per step)
+        # whether code outside the layer reads `weight` as loaded ([N, K]: a tied lm_head's, the embedding table),
+        # so that the method keeps that layout (bf16-stored weights then stay row-major)
+        self.weight_read_outside = False
         method.create_weights(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -317,10 +321,13 @@ class UnquantizedLinearMethod:
     def __init__(self, ops: Any = None, pack: bool = True, weight_dtype: torch.dtype | None = None,
                  widen_ops: Any = None) -> None:
         # weight_dtype bfloat16 under a float32 model (config.ModelConfig.linear_weight_dtype): the weights stay
-        # bf16 and widen to float32 in the product, by widen_ops.bf16w_gemv (C++, AVX2) in the layers' GEMV slot
-        # up to its rows, by widen_ops.bf16w_gemm beyond (widened_linear, a tile at a time, without widen_ops)
+        # bf16 and widen to float32 in the product. With widen_ops (C++, AVX2): stored in bf16_panels' layout and
+        # multiplied by widen_ops.bf16p_gemm for every row count where the layer allows (panels_take); else as
+        # loaded, by widen_ops.bf16w_gemv in the layers' GEMV slot up to its rows and widen_ops.bf16w_gemm beyond.
+        # Without widen_ops: widened_linear, a tile at a time.
         self.weight_dtype = weight_dtype
         self.widen_gemv = WidenedGemv(widen_ops) if widen_ops is not None else None
+        self.panel_gemm = PanelGemm(widen_ops) if widen_ops is not None else None
         self.pack = pack and packing_available()
         # where oneDNN has no bf16 path (an AVX2-only CPU, where dtype auto is float32), float32 weights are packed
         # too: oneDNN's packed float32 product runs there where torch's F.linear takes MKL's
@@ -340,8 +347,11 @@ class UnquantizedLinearMethod:
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight
-        if self.weight_dtype is not None:  # never packed: widened in the product
-            if self.widen_gemv is not None:
+        if self.weight_dtype is not None:  # never packed by oneDNN: widened in the product
+            if self.panel_gemm is not None and weight.device.type == "cpu" and panels_take(layer):
+                layer.weight = nn.Parameter(bf16_panels(weight.detach()), requires_grad=False)
+                self.enable_gemv(layer, self.panel_gemm)
+            elif self.widen_gemv is not None:
                 self.enable_gemv(layer, self.widen_gemv)
             return
         packs = (self.pack and weight.dtype == torch.bfloat16) or (self.pack_float32 and weight.dtype == torch.float32)
@@ -407,6 +417,38 @@ class WidenedGemv:
 
     def packed_gemv_max_rows(self, input_size: int) -> int:
         return self.max_rows
+
+
+class PanelGemm:
+    """The C++ product over bf16 weights stored in bf16_panels' layout (kernels/cpu/linear/bf16w_gemm.cpp's
+    bf16p_gemm) in the layers' GEMV slot, for every row count: at one row it reads the weights at the widening
+    GEMV's rate, past a few it runs faster than that GEMV and than bf16w_gemm (bench/README.md)."""
+
+    def __init__(self, ops: Any) -> None:
+        self.packed_gemv = ops.bf16p_gemm
+
+    @staticmethod
+    def packed_gemv_max_rows(input_size: int) -> int:
+        return sys.maxsize // max(1, input_size)  # any
+
+
+PANEL = 16  # output columns a panel of bf16_panels holds
+
+
+def panels_take(layer: LinearBase) -> bool:
+    """Whether a bf16-stored layer's weight may be kept in bf16_panels' layout: whole panels, and nothing outside
+    the layer reading it as loaded."""
+    return layer.output_size % PANEL == 0 and not layer.weight_read_outside
+
+
+def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight (N a multiple of 16) in bf16p_gemm's layout: [N / 16, K, 16], panel p holding output
+    columns 16p .. 16p + 15, and at each k the 32-bit word i holding column i in its low half and column 8 + i in
+    its high half (so that a shift and a mask widen a k's 16 weights to columns 0..7 and 8..15)."""
+    n, k = weight.shape
+    if n % PANEL:
+        raise ValueError(f"bf16_panels: {n} output features is not a multiple of {PANEL}")
+    return weight.reshape(n // PANEL, 2, PANEL // 2, k).permute(0, 3, 2, 1).contiguous().view(n // PANEL, k, PANEL)
 
 
 def use_triton_gemv(model: nn.Module, ops: Any) -> int:

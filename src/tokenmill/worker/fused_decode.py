@@ -15,8 +15,8 @@ beyond), so a model with them is fused up to that many rows. It reads the backen
 the ops the C++ backend calls for it (write_kv_quant_, paged_attention_quant), with each layer's scales.
 
 A float32 model (an AVX2-only CPU's dtype auto) takes it too where its projections, routed experts' included, are
-float (oneDNN-packed float32 weights, or bf16-stored ones that the widening GEMV takes: those up to its rows, so
-such a model is fused up to that many) and its cache float32: the kernels' float32 forms, as its Python loop calls
+float (oneDNN-packed float32 weights, or bf16-stored ones: in bf16p_gemm's panels, or as loaded for the widening
+GEMV and bf16w_gemm past its rows) and its cache float32: the kernels' float32 forms, as its Python loop calls
 them.
 """
 
@@ -28,22 +28,26 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu import CpuBackend
-from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod, WidenedGemv
+from tokenmill.layers.linear import LinearBase, PanelGemm, UnquantizedLinearMethod, WidenedGemv
 from tokenmill.layers.quantization import FusedProjection, fused_projection
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
 
 ONEDNN_ONLY = -1  # the kernel's mark for a packed weight the GEMV does not read (oneDNN runs it)
 WIDENED = -2  # the kernel's mark for a bf16-stored weight under float32 rows (the widening GEMV runs it)
+PANELS = -3  # the kernel's mark for a bf16 weight in bf16p_gemm's panels under float32 rows (that product runs it)
+BF16_STORED = (WIDENED, PANELS)
 
 
 def _gemv_ptr(layer: LinearBase) -> int:
     """The GEMV's packed-weight address for an unquantized packed layer, ONEDNN_ONLY for one whose
-    packed layout the GEMV does not read, WIDENED for a bf16-stored one whose GEMV slot holds the widening
-    GEMV, else 0."""
+    packed layout the GEMV does not read, WIDENED or PANELS for a bf16-stored one whose GEMV slot holds the
+    widening GEMV or the panels' product, else 0."""
     if not isinstance(layer.method, UnquantizedLinearMethod):
         return 0
     if isinstance(layer.gemv_ops, WidenedGemv):
         return WIDENED
+    if isinstance(layer.gemv_ops, PanelGemm):
+        return PANELS
     ptr = layer.method.gemv_data_ptr(layer)
     return ptr if ptr or not layer.packed else ONEDNN_ONLY
 
@@ -71,7 +75,7 @@ def _float_fusable(layer: LinearBase) -> bool:
     """Whether the kernel runs this unquantized projection: a packed one (the GEMV or oneDNN) or a widened one.
     Routed experts must be one (the kernel quantizes none of them)."""
     ptr = _gemv_ptr(layer)
-    return ptr == WIDENED or (layer.packed and ptr != 0)
+    return ptr in BF16_STORED or (layer.packed and ptr != 0)
 
 
 def _fusable(layer: LinearBase, dtype: torch.dtype) -> bool:
@@ -109,9 +113,6 @@ class FusedDecode:
                                    *(m.weight for m in layer.experts.down)]
             weights += [layer.input_norm, w[0], bias, w[1], layer.post_norm, *mlp]
             ptrs += [_gemv_ptr(m) for m in _projections(layer)]
-            for m in _projections(layer):
-                if _gemv_ptr(m) == WIDENED:  # the widening GEMV's rows
-                    self._take_max_rows(int(m.gemv_max_rows))
             for f in fused:
                 quant += list(f.quant) if f is not None else [empty] * 4
                 kinds += list(f.kind) if f is not None else [0, 0, 0]
@@ -135,10 +136,8 @@ class FusedDecode:
         self.dtype = layout.cos.dtype  # the rows' (a bf16 embedding widens to float32 rows)
         lm_head = layout.lm_head
         self._lm_head: tuple[Any, ...] | None = None
-        if lm_head.packed or _gemv_ptr(lm_head) == WIDENED:
+        if lm_head.packed or _gemv_ptr(lm_head) in BF16_STORED:
             self._lm_head = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, _gemv_ptr(lm_head))
-            if _gemv_ptr(lm_head) == WIDENED:
-                self._take_max_rows(int(lm_head.gemv_max_rows))
 
     def _take_rows(self, f: FusedProjection | None) -> None:
         if f is not None and f.max_rows is not None:

@@ -1,9 +1,9 @@
 """(CPU) the fused decode path for float32 models (an AVX2-only CPU's dtype auto) against the Python layer
 loop it replaces: ops.decode_layers / decode_greedy with float32 rows call the kernels' float32 forms (norms,
-rotary, the KV store, paged decode, SiLU-and-mul) and the projections the layers call (the widening GEMV over
-bf16-stored weights, oneDNN's packed float32 product; a Mixtral's routed experts too), so tokens and logprobs must
-be bitwise equal. The CPU without bf16 arithmetic is forced where it is not one (config.cpu_runs_bf16), as the
-golden tests force it."""
+rotary, the KV store, paged decode, SiLU-and-mul) and the projections the layers call (the panels' product or
+the widening GEMV over bf16-stored weights, oneDNN's packed float32 product; a Mixtral's routed experts too), so
+tokens and logprobs must be bitwise equal. The CPU without bf16 arithmetic is forced where it is not one
+(config.cpu_runs_bf16), as the golden tests force it."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from tests.conftest import random_prompts
 from tests.fixtures import build_model
 from tokenmill import LLM, SamplingParams, config
 from tokenmill.kernels import load_cpu_kernels
-from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod, WidenedGemv
-from tokenmill.worker.fused_decode import ONEDNN_ONLY, WIDENED, FusedDecode
+from tokenmill.layers import linear
+from tokenmill.layers.linear import LinearBase, PanelGemm, UnquantizedLinearMethod, WidenedGemv
+from tokenmill.worker.fused_decode import ONEDNN_ONLY, PANELS, WIDENED, FusedDecode
 
 OPS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None or int(OPS.bf16w_gemv_max_rows()) == 0,
@@ -67,22 +68,29 @@ def _linear_layers(llm: LLM) -> list[LinearBase]:
 
 
 @pytest.mark.parametrize("name", FUSED)
-# 16: the widening GEMV's most rows; 17: past them (the layers' widened tiles, so the fused path declines)
+# panels: bf16p_gemm for any rows; widened (every weight as loaded): the widening GEMV up to its 16 rows,
+# bf16w_gemm past them (17)
+@pytest.mark.parametrize("layout", ["panels", "widened"])
 @pytest.mark.parametrize("num_prompts", [1, 4, 16, 17])
-def test_widened_float32_model_matches_the_python_loop(bf16_dirs: dict[str, str], name: str,
-                                                       num_prompts: int) -> None:
+def test_bf16_stored_float32_model_matches_the_python_loop(bf16_dirs: dict[str, str], name: str, layout: str,
+                                                           num_prompts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if layout == "widened":
+        monkeypatch.setattr(linear, "panels_take", lambda layer: False)
     llm = _llm(bf16_dirs[name])
     runner = llm.engine.core.executor.runner
     assert llm.engine.config.model.dtype == "float32" and llm.engine.config.model.linear_weight_dtype == "bfloat16"
     assert runner.fused_decode is not None  # the runner takes it by itself
-    assert bool((runner.fused_decode.gemv_ptrs == WIDENED).all())
-    assert all(isinstance(m.gemv_ops, WidenedGemv) for m in _linear_layers(llm))
+    assert bool((runner.fused_decode.gemv_ptrs == (PANELS if layout == "panels" else WIDENED)).all())
+    layers = _linear_layers(llm)
+    kind = PanelGemm if layout == "panels" else WidenedGemv
+    assert all(isinstance(m.gemv_ops, kind) for m in layers if not m.weight_read_outside)
+    assert all(isinstance(m.gemv_ops, WidenedGemv) for m in layers if m.weight_read_outside)  # a tied lm_head
     prompts = random_prompts(num_prompts, 3, 40, seed=num_prompts)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
     fast, fast_calls = _run(llm, True, prompts, params, "decode_layers")
     ref, ref_calls = _run(_llm(bf16_dirs[name]), False, prompts, params, "decode_layers")
     assert ref_calls == 0
-    assert fast_calls >= 25 if num_prompts <= 16 else fast_calls <= 14  # (17 rows until the first ones end)
+    assert fast_calls >= 25
     for a, b in zip(fast, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bitwise: the same kernels in the same order

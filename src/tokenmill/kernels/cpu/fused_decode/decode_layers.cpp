@@ -15,7 +15,7 @@
 // fp8 e4m3: kv_scales holds each layer's K and V scales) is written and read by the ops CpuBackend calls for it.
 // Float32 rows (a float32 model: float projections, routed experts' included, and a float32 cache) take the same
 // loop with the kernels' float32 forms; their projections are oneDNN's packed float32 product or, for bf16-stored
-// weights, the widening GEMV (bf16w_gemv).
+// weights, the panels' product (bf16p_gemm) or the widening GEMV (bf16w_gemv).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -68,6 +68,8 @@ struct Ops {
       find_op<QuantizeRowsInt8>("tokenmill_cpu::quantize_rows_int8");
   c10::TypedOperatorHandle<ScaleRows> scale_rows = find_op<ScaleRows>("tokenmill_cpu::scale_rows");
   c10::TypedOperatorHandle<WidenedGemv> bf16w_gemv = find_op<WidenedGemv>("tokenmill_cpu::bf16w_gemv");
+  c10::TypedOperatorHandle<WidenedGemv> bf16w_gemm = find_op<WidenedGemv>("tokenmill_cpu::bf16w_gemm");
+  c10::TypedOperatorHandle<WidenedGemv> bf16p_gemm = find_op<WidenedGemv>("tokenmill_cpu::bf16p_gemm");
 };
 
 // product(rows) for rows [m, K] -> [m, N], run on rows padded with zero rows to oneDNN's row count
@@ -81,17 +83,21 @@ at::Tensor in_onednn_rows(const at::Tensor& x, Product&& product) {
 
 // w_ptr's marks for weights that are not a packed weight's address
 constexpr int64_t kOneDnnOnly = -1;  // oneDNN packed this weight in a layout the GEMV does not read
-constexpr int64_t kWidened = -2;     // a bf16-stored weight under float32 rows: the widening GEMV (bf16w_gemv)
+constexpr int64_t kWidened = -2;     // a bf16-stored weight under float32 rows: bf16w_gemv, bf16w_gemm past its rows
+constexpr int64_t kPanels = -3;      // a bf16 weight in bf16p_gemm's panels under float32 rows: that product
 
 // PackedLinear.forward's choice: with gemv (the layer's GEMV is on), tokenmill's packed kernel for up to
 // packed_gemv_max_rows(K) rows, else oneDNN on the same packed weight.
 // w_ptr: the packed weight's address (PackedLinear.gemv_data_ptr), so the GEMV is called without the op's
 // checks and mkldnn lookups, a fixed cost per call that counts at batch 1; 0: through the op; kOneDnnOnly:
-// oneDNN always; kWidened: bf16w_gemv, as UnquantizedLinearMethod.apply calls it up to its rows (the callers
-// take no more rows than that)
+// oneDNN always; kWidened: bf16w_gemv up to its rows and bf16w_gemm beyond, kPanels: bf16p_gemm, as
+// UnquantizedLinearMethod.apply calls them
 at::Tensor linear(const Ops& op, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, bool gemv,
                   int64_t w_ptr) {
-  if (w_ptr == kWidened) return op.bf16w_gemv.call(x, w, bias);
+  if (w_ptr == kWidened) {
+    return x.size(0) <= tokenmill::bf16w_gemv_max_rows() ? op.bf16w_gemv.call(x, w, bias) : op.bf16w_gemm.call(x, w, bias);
+  }
+  if (w_ptr == kPanels) return op.bf16p_gemm.call(x, w, bias);
   if (gemv && w_ptr != kOneDnnOnly && x.size(0) <= tokenmill::packed_gemv_max_rows(w.size(1))) {
     if (w_ptr == 0) return op.gemv.call(x, w, bias);
     TORCH_CHECK(w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1), "decode_layers: weight and x disagree on K");

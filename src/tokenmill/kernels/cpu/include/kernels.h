@@ -47,6 +47,10 @@ int64_t packed_gemv_max_rows(int64_t in_features);
 // tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process, as oneDNN asks too). roofline/peak.cpp.
 bool amx_bf16_permitted();
 
+// The most rows the layers give bf16w_gemv (the widening GEMV over a bf16 [N, K] weight under float32 rows);
+// past them they take bf16w_gemm. 0 where they are not built (no AVX2/FMA).
+int64_t bf16w_gemv_max_rows();
+
 // x [M, K] (any M, contiguous) times the packed [N, K] weight at w, plus bias [N]: [M, N]; all bf16.
 // Checks x and bias; w is trusted (the op checks its packed size, decode_layers gets it from
 // PackedLinear.gemv_data_ptr, which does)

@@ -12,6 +12,9 @@
 // registers) and takes one broadcast of x and two panel loads a k, the packed slice (16 KiB) reused from L1 across
 // the strips. A panel's outputs (kMc x kNr) stay in cache between K's slices, so a wide output (an lm_head's) is
 // not written back and read again for each slice.
+//
+// bf16p_gemm is the same product over a weight stored once, at load, in the panels' order (bf16): its micro-kernel
+// reads each k's 16 weights with one load and widens them in registers, so no slice is gathered or packed.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,6 +34,7 @@ constexpr int64_t kMr = 6;    // rows of x a micro-kernel takes
 constexpr int64_t kNr = 16;   // output columns a micro-kernel (and a packed panel) takes
 constexpr int64_t kKc = 256;  // K a block takes: a packed panel is kKc x kNr float32 (16 KiB, in L1)
 constexpr int64_t kMc = 192;  // rows of x a block takes: a panel reads the block's kMc x K float32 once
+constexpr int64_t kPrefetchK = 32;  // how far ahead (in k: 1 KiB of a bf16 panel) bf16p_gemm prefetches its panel
 
 using tokenmill::bf16_bits_to_f32;
 using tokenmill::widen8_bf16;
@@ -108,26 +112,92 @@ void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, i
   with_rows<1, kMr>(rows, [&](auto r) { micro<decltype(r)::value>(x, ldx, panel, kc, out, ldo, first); });
 }
 
-at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "bf16w_gemm: x must be float32 [M, K]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
-                  weight.size(1) == x.size(1), "bf16w_gemm: weight must be contiguous bf16 [N, K]");
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bf16w_gemm: bias must have N elements");
+// the 16 bf16 of one k of a weight panel (bf16_panels' layout: 32-bit word i holds column i in its low half and
+// column 8 + i in its high half) -> columns 0..7 and 8..15 as float32: a shift and a mask, no lane crossing
+__attribute__((always_inline)) inline void widen_panel_k(const uint16_t* p, __m256i mask, __m256& b0, __m256& b1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  b1 = _mm256_castsi256_ps(_mm256_and_si256(v, mask));
+}
+
+// micro over a bf16 panel slice (kc x kNr, bf16_panels' layout) widened as it is read
+template <int R>
+__attribute__((always_inline)) inline void micro_bf16(const float* x, int64_t ldx, const uint16_t* panel, int64_t kc,
+                                                      float* out, int64_t ldo, bool first) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchK) * kNr), _MM_HINT_T0);
+    __m256 b0, b1;
+    widen_panel_k(panel + k * kNr, mask, b0, b1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
   }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * ldo;
+    if (!first) {
+      acc[r][0] = _mm256_add_ps(_mm256_loadu_ps(o), acc[r][0]);
+      acc[r][1] = _mm256_add_ps(_mm256_loadu_ps(o + 8), acc[r][1]);
+    }
+    _mm256_storeu_ps(o, acc[r][0]);
+    _mm256_storeu_ps(o + 8, acc[r][1]);
+  }
+}
+
+// one row: two k at a time into two pairs of accumulators, so that the FMAs' latency does not bound the weight
+// stream (a lone row is bound by reading the weights)
+template <>
+__attribute__((always_inline)) inline void micro_bf16<1>(const float* x, int64_t, const uint16_t* panel, int64_t kc,
+                                                         float* out, int64_t, bool first) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, c0 = a0, c1 = a0;
+  int64_t k = 0;
+  for (; k + 2 <= kc; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchK) * kNr), _MM_HINT_T0);
+    __m256 b0, b1, d0, d1;
+    widen_panel_k(panel + k * kNr, mask, b0, b1);
+    widen_panel_k(panel + (k + 1) * kNr, mask, d0, d1);
+    const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
+    a0 = _mm256_fmadd_ps(x0, b0, a0);
+    a1 = _mm256_fmadd_ps(x0, b1, a1);
+    c0 = _mm256_fmadd_ps(x1, d0, c0);
+    c1 = _mm256_fmadd_ps(x1, d1, c1);
+  }
+  if (k < kc) {
+    __m256 b0, b1;
+    widen_panel_k(panel + k * kNr, mask, b0, b1);
+    const __m256 x0 = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(x0, b0, a0);
+    a1 = _mm256_fmadd_ps(x0, b1, a1);
+  }
+  a0 = _mm256_add_ps(a0, c0);
+  a1 = _mm256_add_ps(a1, c1);
+  if (!first) {
+    a0 = _mm256_add_ps(_mm256_loadu_ps(out), a0);
+    a1 = _mm256_add_ps(_mm256_loadu_ps(out + 8), a1);
+  }
+  _mm256_storeu_ps(out, a0);
+  _mm256_storeu_ps(out + 8, a1);
+}
+
+void micro_bf16_rows(int64_t rows, const float* x, int64_t ldx, const uint16_t* panel, int64_t kc, float* out,
+                     int64_t ldo, bool first) {
+  with_rows<1, kMr>(rows, [&](auto r) { micro_bf16<decltype(r)::value>(x, ldx, panel, kc, out, ldo, first); });
+}
+
+// The blocking both weight layouts share: y [M, N] = x [M, K] W^T (+ bias). For each block of rows, panel and
+// K slice, prepare(p, n0, cols, k0, kc, buf) readies the slice (packing it into buf, a kKc x kNr float32 buffer, where
+// it packs) and returns strip(rows, x, out, ldo, first), which runs one strip of rows against it.
+template <typename Prepare>
+void blocked_gemm(int64_t M, int64_t N, int64_t K, const float* xp, int64_t ldx, const float* bp, float* yp,
+                  Prepare&& prepare) {
   const int64_t panels = (N + kNr - 1) / kNr;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(32) float panel[kKc * kNr];
+    alignas(32) float buf[kKc * kNr];
     alignas(32) float edge[kMr * kNr];  // a partial panel's outputs, before they go to y
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t mc = std::min(kMc, M - m0);
@@ -136,15 +206,15 @@ at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
         for (int64_t k0 = 0; k0 < K; k0 += kKc) {
           const int64_t kc = std::min(kKc, K - k0);
           const bool first = k0 == 0;
-          pack_panel(wp, K, n0, cols, k0, kc, panel);
+          auto strip = prepare(p, n0, cols, k0, kc, buf);
           for (int64_t i = m0; i < m0 + mc; i += kMr) {
             const int64_t rows = std::min(kMr, m0 + mc - i);
             if (cols == kNr) {
-              micro_rows(rows, xp + i * ldx + k0, ldx, panel, kc, yp + i * N + n0, N, first);
+              strip(rows, xp + i * ldx + k0, yp + i * N + n0, N, first);
             } else {  // through a full-width buffer: the panel's columns past N are padding
               for (int64_t r = 0; r < rows && !first; ++r)
                 std::copy(yp + (i + r) * N + n0, yp + (i + r) * N + N, edge + r * kNr);
-              micro_rows(rows, xp + i * ldx + k0, ldx, panel, kc, edge, kNr, first);
+              strip(rows, xp + i * ldx + k0, edge, kNr, first);
               for (int64_t r = 0; r < rows; ++r) std::copy(edge + r * kNr, edge + r * kNr + cols, yp + (i + r) * N + n0);
             }
           }
@@ -158,6 +228,60 @@ at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
       }
     }
   });
+}
+
+at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, op, ": bias must have N elements");
+  }
+  return b;
+}
+
+at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "bf16w_gemm: x must be float32 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1), "bf16w_gemm: weight must be contiguous bf16 [N, K]");
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  const at::Tensor b = float_bias(bias, N, "bf16w_gemm");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
+  blocked_gemm(M, N, K, x.data_ptr<float>(), ldx, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+               [&](int64_t, int64_t n0, int64_t cols, int64_t k0, int64_t kc, float* buf) {
+                 pack_panel(wp, K, n0, cols, k0, kc, buf);
+                 return [=](int64_t rows, const float* xs, float* out, int64_t ldo, bool first) {
+                   micro_rows(rows, xs, ldx, buf, kc, out, ldo, first);
+                 };
+               });
+  return y;
+}
+
+// bf16w_gemm over weights kept in bf16_panels' layout (tokenmill.layers.linear.bf16_panels): panels [N / kNr, K, kNr]
+// bf16, panel p holding output columns p * kNr .. + kNr, each k's 16 weights as widen_panel_k reads them. A slice is
+// read straight from the panels and widened in registers at each strip: no gather, no transpose, no float32 copy
+// (which ran slower at every row count measured, bench/README.md). It is the layers' product for any number of
+// rows: one row reads the weights at the widening GEMV's rate or above.
+at::Tensor bf16p_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "bf16p_gemm: x must be float32 [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1) && panels.size(2) == kNr,
+              "bf16p_gemm: panels must be contiguous bf16 [N / 16, K, 16]");
+  const int64_t M = x.size(0), N = panels.size(0) * kNr, K = x.size(1);
+  const at::Tensor b = float_bias(bias, N, "bf16p_gemm");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
+  blocked_gemm(M, N, K, x.data_ptr<float>(), ldx, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+               [&](int64_t p, int64_t, int64_t, int64_t k0, int64_t kc, float*) {
+                 const uint16_t* slice = pp + (p * K + k0) * kNr;
+                 return [=](int64_t rows, const float* xs, float* out, int64_t ldo, bool first) {
+                   micro_bf16_rows(rows, xs, ldx, slice, kc, out, ldo, first);
+                 };
+               });
   return y;
 }
 
@@ -169,9 +293,18 @@ namespace {
 at::Tensor bf16w_gemm(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "bf16w_gemm: built without AVX2/FMA");
 }
+at::Tensor bf16p_gemm(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "bf16p_gemm: built without AVX2/FMA");
+}
 }  // namespace
 
 #endif
 
-TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) { m.def("bf16w_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
-TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("bf16w_gemm", &bf16w_gemm); }
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("bf16w_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("bf16p_gemm(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("bf16w_gemm", &bf16w_gemm);
+  m.impl("bf16p_gemm", &bf16p_gemm);
+}

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -176,14 +178,15 @@ at::Tensor bf16w_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::
   return y;
 }
 
-int64_t bf16w_gemv_max_rows() { return kLayerRows; }
-
 }  // namespace
+
+int64_t tokenmill::bf16w_gemv_max_rows() { return kLayerRows; }
 
 #else  // no AVX2/FMA: the layers keep their torch path (bf16w_gemv_max_rows() == 0)
 
+int64_t tokenmill::bf16w_gemv_max_rows() { return 0; }
+
 namespace {
-int64_t bf16w_gemv_max_rows() { return 0; }
 at::Tensor bf16w_gemv(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "bf16w_gemv: built without AVX2/FMA");
 }
@@ -192,7 +195,7 @@ at::Tensor bf16w_gemv(const at::Tensor&, const at::Tensor&, const c10::optional<
 #endif
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("bf16w_gemv_max_rows() -> int", &bf16w_gemv_max_rows);
+  m.def("bf16w_gemv_max_rows() -> int", &tokenmill::bf16w_gemv_max_rows);
   m.def("bf16w_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("bf16w_gemv", &bf16w_gemv); }
