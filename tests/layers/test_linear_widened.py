@@ -106,6 +106,22 @@ def test_bf16_panels_layout() -> None:
         linear.bf16_panels(w[:20])
 
 
+def test_embedding_reads_a_tied_lm_heads_panels() -> None:
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(48, 24, generator=gen).to(torch.bfloat16)
+    embed = linear.Embedding(48, 24, torch.bfloat16, torch.float32)
+    embed.weight.data.copy_(table)
+    ids = torch.tensor([[0, 7, 8, 15], [16, 31, 40, 47]])
+    want = embed(ids)
+    embed.take_panels(torch.nn.Parameter(linear.bf16_panels(table), requires_grad=False))
+    assert embed.panels and embed(ids).dtype == torch.float32
+    assert torch.equal(embed(ids), want) and torch.equal(want, table[ids].float())
+    with pytest.raises(IndexError, match="out of range"):
+        embed(torch.tensor([48]))
+    with pytest.raises(ValueError, match="do not hold"):
+        embed.take_panels(torch.nn.Parameter(linear.bf16_panels(table[:32]), requires_grad=False))
+
+
 def test_widened_linear_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "WIDEN_TILE_BYTES", 4 * 50 * 16)  # tiles of 16 features: 45 takes three
     gen = torch.Generator().manual_seed(1)

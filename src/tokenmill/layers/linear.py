@@ -92,9 +92,9 @@ class LinearBase(nn.Module):
         self.gemv_ops: Any = None
         self.gemv_max_rows = 0
         self.gemv_gated: Any = None  # gemv_ops.gated_gemv where it has one (resolved once: not per step)
-        # whether code outside the layer reads `weight` as loaded ([N, K]: a tied lm_head's, the embedding table),
-        # so that the method keeps that layout (bf16-stored weights then stay row-major)
-        self.weight_read_outside = False
+        # a tied lm_head's embedding (Embedding.take_panels), handed the weight when the method stores it in
+        # bf16_panels' layout, so that the one tensor serves both
+        self.tied_embedding: Callable[[nn.Parameter], None] | None = None
         method.create_weights(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,18 +215,33 @@ class RowParallelLinear(LinearBase):
 class Embedding(nn.Embedding):
     """nn.Embedding without random initialisation: every weight comes from the checkpoint. `dtype`: the table's,
     where it is not the model's (`out_dtype`, which the rows are widened to: bf16 weights under a float32
-    model, UnquantizedLinearMethod.weight_dtype)."""
+    model, UnquantizedLinearMethod.weight_dtype). A tied lm_head stored in bf16_panels' layout hands its weight
+    over (take_panels), and the rows are read from the panels then."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
                  out_dtype: torch.dtype | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype=dtype)
         self.out_dtype = out_dtype
+        self.panels = False  # whether `weight` is in bf16_panels' layout
 
     def reset_parameters(self) -> None:
         return None
 
+    def take_panels(self, weight: nn.Parameter) -> None:
+        """Read the rows from the tied lm_head's weight, which its method laid out in bf16_panels' layout."""
+        if weight.shape[0] * PANEL != self.num_embeddings or weight.shape[1] != self.embedding_dim:
+            raise ValueError(f"panels of shape {tuple(weight.shape)} do not hold a {self.num_embeddings} x "
+                             f"{self.embedding_dim} table")
+        self.weight = weight
+        self.panels = True
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows: torch.Tensor = super().forward(input_ids)
+        if self.panels:
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
+                raise IndexError("index out of range in self")  # (as F.embedding says it)
+            rows = bf16_panel_rows(self.weight, input_ids)
+        else:
+            rows = super().forward(input_ids)
         return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
@@ -351,6 +366,8 @@ class UnquantizedLinearMethod:
             if self.panel_gemm is not None and weight.device.type == "cpu" and panels_take(layer):
                 layer.weight = nn.Parameter(bf16_panels(weight.detach()), requires_grad=False)
                 self.enable_gemv(layer, self.panel_gemm)
+                if layer.tied_embedding is not None:
+                    layer.tied_embedding(layer.weight)
             elif self.widen_gemv is not None:
                 self.enable_gemv(layer, self.widen_gemv)
             return
@@ -436,9 +453,8 @@ PANEL = 16  # output columns a panel of bf16_panels holds
 
 
 def panels_take(layer: LinearBase) -> bool:
-    """Whether a bf16-stored layer's weight may be kept in bf16_panels' layout: whole panels, and nothing outside
-    the layer reading it as loaded."""
-    return layer.output_size % PANEL == 0 and not layer.weight_read_outside
+    """Whether a bf16-stored layer's weight may be kept in bf16_panels' layout: bf16, in whole panels."""
+    return layer.output_size % PANEL == 0 and layer.weight.dtype == torch.bfloat16
 
 
 def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -449,6 +465,14 @@ def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     if n % PANEL:
         raise ValueError(f"bf16_panels: {n} output features is not a multiple of {PANEL}")
     return weight.reshape(n // PANEL, 2, PANEL // 2, k).permute(0, 3, 2, 1).contiguous().view(n // PANEL, k, PANEL)
+
+
+def bf16_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the [N, K] weight that bf16_panels laid out as `panels` ([*ids.shape, K]): a tied lm_head's
+    panels read as its embedding table."""
+    flat = ids.reshape(-1)
+    slot = (flat % (PANEL // 2)) * 2 + (flat % PANEL) // (PANEL // 2)
+    return panels[flat // PANEL, :, slot].view(*ids.shape, panels.shape[1])
 
 
 def use_triton_gemv(model: nn.Module, ops: Any) -> int:

@@ -189,7 +189,7 @@ class DeepseekForCausalLM(nn.Module):
             loaded.add(name)
         if self.cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
-            self.lm_head.weight_read_outside = True
+            self.lm_head.tied_embedding = self.embed_tokens.take_panels
             self.lm_head.mark_loaded("weight")
             loaded.add("lm_head.weight")
         return loaded

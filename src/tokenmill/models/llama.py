@@ -254,7 +254,8 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     if tie:  # one tensor for both (until a linear method repacks the lm_head's)
         lm_head, embed = cast(LinearBase, model.get_submodule("lm_head")), model.get_submodule("embed_tokens")
         lm_head.weight = cast(nn.Parameter, embed.weight)
-        lm_head.weight_read_outside = True
+        if isinstance(embed, Embedding):
+            lm_head.tied_embedding = embed.take_panels
         lm_head.mark_loaded("weight")
         loaded.add("lm_head.weight")
     return loaded

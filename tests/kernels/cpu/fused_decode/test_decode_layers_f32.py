@@ -81,10 +81,11 @@ def test_bf16_stored_float32_model_matches_the_python_loop(bf16_dirs: dict[str, 
     assert llm.engine.config.model.dtype == "float32" and llm.engine.config.model.linear_weight_dtype == "bfloat16"
     assert runner.fused_decode is not None  # the runner takes it by itself
     assert bool((runner.fused_decode.gemv_ptrs == (PANELS if layout == "panels" else WIDENED)).all())
-    layers = _linear_layers(llm)
     kind = PanelGemm if layout == "panels" else WidenedGemv
-    assert all(isinstance(m.gemv_ops, kind) for m in layers if not m.weight_read_outside)
-    assert all(isinstance(m.gemv_ops, WidenedGemv) for m in layers if m.weight_read_outside)  # a tied lm_head
+    assert all(isinstance(m.gemv_ops, kind) for m in _linear_layers(llm))  # a tied lm_head's too
+    model = runner.model
+    tied = llm.engine.config.model.arch.tie_word_embeddings
+    assert (model.embed_tokens.weight is model.lm_head.weight) == tied  # one tensor, in either layout
     prompts = random_prompts(num_prompts, 3, 40, seed=num_prompts)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
     fast, fast_calls = _run(llm, True, prompts, params, "decode_layers")

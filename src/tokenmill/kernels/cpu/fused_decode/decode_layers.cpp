@@ -467,19 +467,30 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr,
                          const OptTensor& bitmask) {
   // the embedding's rows, copied as at::embedding copies them (and widened to float32 rows from a bf16 table,
-  // as layers.linear.Embedding does), without those ops' per-call overhead; the rows take cos's dtype
+  // as layers.linear.Embedding does), without those ops' per-call overhead; the rows take cos's dtype. A tied
+  // lm_head's bf16 panels ([vocab / 16, hidden, 16], layers.linear.bf16_panels) are read as that table
+  // (layers.linear.bf16_panel_rows).
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
   const bool widen = embed.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat;
-  TORCH_CHECK((embed.scalar_type() == cos.scalar_type() || widen) && embed.is_contiguous() && embed.dim() == 2,
+  const bool panels = widen && embed.dim() == 3 && embed.size(2) == 16;
+  TORCH_CHECK((embed.scalar_type() == cos.scalar_type() || widen) && embed.is_contiguous() &&
+                  (embed.dim() == 2 || panels),
               "decode_greedy: the embedding must be a contiguous [vocab, hidden] of the rows' dtype, or bfloat16 "
-              "under float32 rows");
-  const int64_t t = input_ids.size(0), vocab = embed.size(0), hidden = embed.size(1);
+              "(as loaded or in panels) under float32 rows");
+  const int64_t t = input_ids.size(0), vocab = embed.size(0) * (panels ? 16 : 1), hidden = embed.size(1);
   at::Tensor h = at::empty({t, hidden}, embed.options().dtype(cos.scalar_type()));
   const int64_t* ids = input_ids.data_ptr<int64_t>();
   const int64_t row_bytes = hidden * static_cast<int64_t>(embed.element_size());
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "decode_greedy: token id ", ids[i], " out of range");
+    if (panels) {  // column ids[i] of its panel: 32-bit word (id % 8), the high half for id % 16 >= 8
+      const int64_t id = ids[i], slot = (id % 8) * 2 + (id % 16) / 8;
+      const auto* bits = reinterpret_cast<const uint16_t*>(embed.data_ptr()) + (id / 16) * hidden * 16 + slot;
+      float* dst = h.data_ptr<float>() + i * hidden;
+      for (int64_t j = 0; j < hidden; ++j) dst[j] = bf16_to_float(bits[j * 16]);
+      continue;
+    }
     const char* src = static_cast<const char*>(embed.data_ptr()) + ids[i] * row_bytes;
     if (widen) {
       const auto* bits = reinterpret_cast<const uint16_t*>(src);
