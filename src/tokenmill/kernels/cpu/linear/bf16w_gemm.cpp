@@ -80,16 +80,18 @@ void pack_panel(const uint16_t* w, int64_t K, int64_t n0, int64_t cols, int64_t 
     for (int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = j < cols ? bf16_bits_to_f32(w[(n0 + j) * K + k0 + k]) : 0.0f;
 }
 
-// R rows of x (stride ldx, from column k0 of the block) times a packed panel over kc: acc -> out (R x kNr, stride
-// ldo), added to what out holds unless first. Inlined into its caller: compiled on its own (as with_rows's lambda
-// leaves it), GCC 12 kept the accumulators on the stack, storing each of them every k (bench/README.md).
-template <int R>
-__attribute__((always_inline)) inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out,
-                                                 int64_t ldo, bool first) {
+// R rows of x (stride ldx, from column k0 of the block) times a panel slice over kc, load(k, b0, b1) giving the
+// slice's k-th 16 weights as float32: acc -> out (R x kNr, stride ldo), added to what out holds unless first.
+// Inlined into its caller, load too: compiled on its own (as with_rows's lambda leaves it), GCC 12 kept the
+// accumulators on the stack, storing each of them every k (bench/README.md).
+template <int R, typename Load>
+__attribute__((always_inline)) inline void micro_k(const float* x, int64_t ldx, int64_t kc, Load&& load, float* out,
+                                                   int64_t ldo, bool first) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * kNr), b1 = _mm256_loadu_ps(panel + k * kNr + 8);
+    __m256 b0, b1;
+    load(k, b0, b1);
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
       acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
@@ -105,6 +107,16 @@ __attribute__((always_inline)) inline void micro(const float* x, int64_t ldx, co
     _mm256_storeu_ps(o, acc[r][0]);
     _mm256_storeu_ps(o + 8, acc[r][1]);
   }
+}
+
+// micro_k over a packed float32 panel slice (kc x kNr)
+template <int R>
+__attribute__((always_inline)) inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out,
+                                                 int64_t ldo, bool first) {
+  micro_k<R>(x, ldx, kc, [panel](int64_t k, __m256& b0, __m256& b1) __attribute__((always_inline)) {
+    b0 = _mm256_loadu_ps(panel + k * kNr);
+    b1 = _mm256_loadu_ps(panel + k * kNr + 8);
+  }, out, ldo, first);
 }
 
 void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo,
@@ -120,32 +132,15 @@ __attribute__((always_inline)) inline void widen_panel_k(const uint16_t* p, __m2
   b1 = _mm256_castsi256_ps(_mm256_and_si256(v, mask));
 }
 
-// micro over a bf16 panel slice (kc x kNr, bf16_panels' layout) widened as it is read
+// micro_k over a bf16 panel slice (kc x kNr, bf16_panels' layout) widened as it is read, prefetched ahead
 template <int R>
 __attribute__((always_inline)) inline void micro_bf16(const float* x, int64_t ldx, const uint16_t* panel, int64_t kc,
                                                       float* out, int64_t ldo, bool first) {
   const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
+  micro_k<R>(x, ldx, kc, [panel, mask](int64_t k, __m256& b0, __m256& b1) __attribute__((always_inline)) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchK) * kNr), _MM_HINT_T0);
-    __m256 b0, b1;
     widen_panel_k(panel + k * kNr, mask, b0, b1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* o = out + r * ldo;
-    if (!first) {
-      acc[r][0] = _mm256_add_ps(_mm256_loadu_ps(o), acc[r][0]);
-      acc[r][1] = _mm256_add_ps(_mm256_loadu_ps(o + 8), acc[r][1]);
-    }
-    _mm256_storeu_ps(o, acc[r][0]);
-    _mm256_storeu_ps(o + 8, acc[r][1]);
-  }
+  }, out, ldo, first);
 }
 
 // one row: two k at a time into two pairs of accumulators, so that the FMAs' latency does not bound the weight
