@@ -225,33 +225,37 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const float* xp, int64_t ldx,
   });
 }
 
-at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
+// blocked_gemm for an op with N output features: its bias widened to float32 (checked), y allocated, the blocking
+// run where there is anything to compute
+template <typename Prepare>
+at::Tensor blocked_product(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias, const char* op,
+                           Prepare&& prepare) {
+  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == N, op, ": bias must have N elements");
   }
-  return b;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  blocked_gemm(M, N, K, x.data_ptr<float>(), x.stride(0), b.defined() ? b.data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), prepare);
+  return y;
 }
 
 at::Tensor bf16w_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "bf16w_gemm: x must be float32 [M, K]");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
                   weight.size(1) == x.size(1), "bf16w_gemm: weight must be contiguous bf16 [N, K]");
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  const at::Tensor b = float_bias(bias, N, "bf16w_gemm");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  const int64_t N = weight.size(0), K = weight.size(1), ldx = x.stride(0);
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  const int64_t ldx = x.stride(0);
-  blocked_gemm(M, N, K, x.data_ptr<float>(), ldx, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-               [&](int64_t, int64_t n0, int64_t cols, int64_t k0, int64_t kc, float* buf) {
-                 pack_panel(wp, K, n0, cols, k0, kc, buf);
-                 return [=](int64_t rows, const float* xs, float* out, int64_t ldo, bool first) {
-                   micro_rows(rows, xs, ldx, buf, kc, out, ldo, first);
-                 };
-               });
-  return y;
+  return blocked_product(x, N, bias, "bf16w_gemm",
+                         [&](int64_t, int64_t n0, int64_t cols, int64_t k0, int64_t kc, float* buf) {
+                           pack_panel(wp, K, n0, cols, k0, kc, buf);
+                           return [=](int64_t rows, const float* xs, float* out, int64_t ldo, bool first) {
+                             micro_rows(rows, xs, ldx, buf, kc, out, ldo, first);
+                           };
+                         });
 }
 
 // bf16w_gemm over weights kept in bf16_panels' layout (tokenmill.layers.linear.bf16_panels): panels [N / kNr, K, kNr]
@@ -264,20 +268,14 @@ at::Tensor bf16p_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
                   panels.size(1) == x.size(1) && panels.size(2) == kNr,
               "bf16p_gemm: panels must be contiguous bf16 [N / 16, K, 16]");
-  const int64_t M = x.size(0), N = panels.size(0) * kNr, K = x.size(1);
-  const at::Tensor b = float_bias(bias, N, "bf16p_gemm");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  const int64_t N = panels.size(0) * kNr, K = x.size(1), ldx = x.stride(0);
   const auto* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  const int64_t ldx = x.stride(0);
-  blocked_gemm(M, N, K, x.data_ptr<float>(), ldx, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-               [&](int64_t p, int64_t, int64_t, int64_t k0, int64_t kc, float*) {
-                 const uint16_t* slice = pp + (p * K + k0) * kNr;
-                 return [=](int64_t rows, const float* xs, float* out, int64_t ldo, bool first) {
-                   micro_bf16_rows(rows, xs, ldx, slice, kc, out, ldo, first);
-                 };
-               });
-  return y;
+  return blocked_product(x, N, bias, "bf16p_gemm", [&](int64_t p, int64_t, int64_t, int64_t k0, int64_t kc, float*) {
+    const uint16_t* slice = pp + (p * K + k0) * kNr;
+    return [=](int64_t rows, const float* xs, float* out, int64_t ldo, bool first) {
+      micro_bf16_rows(rows, xs, ldx, slice, kc, out, ldo, first);
+    };
+  });
 }
 
 }  // namespace
