@@ -216,13 +216,12 @@ class Embedding(nn.Embedding):
     """nn.Embedding without random initialisation: every weight comes from the checkpoint. `dtype`: the table's,
     where it is not the model's (`out_dtype`, which the rows are widened to: bf16 weights under a float32
     model, UnquantizedLinearMethod.weight_dtype). A tied lm_head stored in bf16_panels' layout hands its weight
-    over (take_panels), and the rows are read from the panels then."""
+    over (take_panels), and the rows are read from the panels then (embedding_rows)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
                  out_dtype: torch.dtype | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype=dtype)
         self.out_dtype = out_dtype
-        self.panels = False  # whether `weight` is in bf16_panels' layout
 
     def reset_parameters(self) -> None:
         return None
@@ -233,15 +232,9 @@ class Embedding(nn.Embedding):
             raise ValueError(f"panels of shape {tuple(weight.shape)} do not hold a {self.num_embeddings} x "
                              f"{self.embedding_dim} table")
         self.weight = weight
-        self.panels = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.panels:
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
-                raise IndexError("index out of range in self")  # (as F.embedding says it)
-            rows = bf16_panel_rows(self.weight, input_ids)
-        else:
-            rows = super().forward(input_ids)
+        rows = embedding_rows(self.weight, input_ids)
         return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
@@ -467,12 +460,16 @@ def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(n // PANEL, 2, PANEL // 2, k).permute(0, 3, 2, 1).contiguous().view(n // PANEL, k, PANEL)
 
 
-def bf16_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the [N, K] weight that bf16_panels laid out as `panels` ([*ids.shape, K]): a tied lm_head's
-    panels read as its embedding table."""
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table ([*ids.shape, K]): a [N, K] one as F.embedding reads it, or a tied lm_head's
+    weight in bf16_panels' layout ([N / 16, K, 16]), read with the same range check."""
+    if table.dim() == 2:
+        return F.embedding(ids, table)
     flat = ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= table.shape[0] * PANEL):
+        raise IndexError("index out of range in self")  # (as F.embedding says it)
     slot = (flat % (PANEL // 2)) * 2 + (flat % PANEL) // (PANEL // 2)
-    return panels[flat // PANEL, :, slot].view(*ids.shape, panels.shape[1])
+    return table[flat // PANEL, :, slot].view(*ids.shape, table.shape[1])
 
 
 def use_triton_gemv(model: nn.Module, ops: Any) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu import CpuBackend
-from tokenmill.layers.linear import LinearBase, PanelGemm, UnquantizedLinearMethod, WidenedGemv, bf16_panel_rows
+from tokenmill.layers.linear import LinearBase, PanelGemm, UnquantizedLinearMethod, WidenedGemv, embedding_rows
 from tokenmill.layers.quantization import FusedProjection, fused_projection
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
 
@@ -188,8 +188,7 @@ class FusedDecode:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states of a pure-decode step (as the model's forward gives them)."""
-        h = (bf16_panel_rows(self.embed, input_ids) if self.embed.dim() == 3  # a tied lm_head's panels
-             else torch.nn.functional.embedding(input_ids, self.embed)).to(self.dtype)
+        h = embedding_rows(self.embed, input_ids).to(self.dtype)
         out: torch.Tensor = self.ops.decode_layers(h, positions, *self._args(meta))
         return out
 

@@ -469,7 +469,7 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
   // the embedding's rows, copied as at::embedding copies them (and widened to float32 rows from a bf16 table,
   // as layers.linear.Embedding does), without those ops' per-call overhead; the rows take cos's dtype. A tied
   // lm_head's bf16 panels ([vocab / 16, hidden, 16], layers.linear.bf16_panels) are read as that table
-  // (layers.linear.bf16_panel_rows).
+  // (layers.linear.embedding_rows).
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "decode_greedy: input_ids must be contiguous int64 [T]");
   const bool widen = embed.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat;
