@@ -106,6 +106,29 @@ def test_bf16_panels_layout() -> None:
         linear.bf16_panels(w[:20])
 
 
+@pytest.mark.skipif(not HAS_GEMV, reason="the C++ kernels with AVX2/FMA are not built here")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(16, 1), (32, 7), (48, 8), (64, 300), (256, 1024)])  # k past and short of 8
+def test_panels_rearranged_in_place_match_bf16_panels(n: int, k: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    want = linear.bf16_panels(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        own = w.clone()
+        got = linear.PanelGemm(OPS).panels(own)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want) and got.data_ptr() == own.data_ptr()  # the same storage, rewritten
+    # a weight that is a view of another tensor (here a slice of a larger one) is copied, never rewritten
+    big = torch.cat([w, w]).clone()
+    view = big[n:]
+    assert torch.equal(linear.PanelGemm(OPS).panels(view), want) and torch.equal(big[n:], w)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        OPS.bf16_panels_(w[:n - 8].clone())
+
+
 def test_embedding_reads_a_tied_lm_heads_panels() -> None:
     gen = torch.Generator().manual_seed(3)
     table = torch.randn(48, 24, generator=gen).to(torch.bfloat16)

@@ -357,7 +357,7 @@ class UnquantizedLinearMethod:
         weight = layer.weight
         if self.weight_dtype is not None:  # never packed by oneDNN: widened in the product
             if self.panel_gemm is not None and weight.device.type == "cpu" and panels_take(layer):
-                layer.weight = nn.Parameter(bf16_panels(weight.detach()), requires_grad=False)
+                layer.weight = nn.Parameter(self.panel_gemm.panels(weight.detach()), requires_grad=False)
                 self.enable_gemv(layer, self.panel_gemm)
                 if layer.tied_embedding is not None:
                     layer.tied_embedding(layer.weight)
@@ -436,6 +436,15 @@ class PanelGemm:
 
     def __init__(self, ops: Any) -> None:
         self.packed_gemv = ops.bf16p_gemm
+        self._to_panels = ops.bf16_panels_
+
+    def panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """A layer's loaded weight in bf16_panels' layout: rearranged in place by the C++ op where the weight is a
+        contiguous tensor of its own (no second copy of it is ever held), else copied by bf16_panels."""
+        if weight.is_contiguous() and weight._base is None and weight.storage_offset() == 0:
+            panels: torch.Tensor = self._to_panels(weight)
+            return panels
+        return bf16_panels(weight)
 
     @staticmethod
     def packed_gemv_max_rows(input_size: int) -> int:

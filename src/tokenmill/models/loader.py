@@ -3,14 +3,15 @@
 The loader only walks the safetensors files (single, sharded, or listed in an index) and hands each
 tensor to the model's `load_weights`, which places it (layers own their weight loaders: fused shards,
 quantized layouts). The model is built with uninitialised storage in the target dtype on its device;
-each tensor is read from its file into a buffer of its own and copied into its parameter, so peak RSS
-stays near the size of the weights plus the largest tensor. Then every linear layer's method
-post-processes its weights (e.g. packs them for oneDNN).
+each tensor is a view of its memory-mapped file, copied into its parameter straight from the page cache
+(no buffer in between), and its pages are dropped from the process before the next tensor is read, so
+peak RSS stays near the size of the weights plus the largest tensor. Then every linear layer's method
+post-processes its weights (e.g. packs them for oneDNN, or rearranges bf16 ones into panels in place).
 
-A tensor-parallel rank maps the files instead (`mapped=True`): each tensor is a view of the file, which
-the layers' loaders narrow to the rank's slice before copying, so only that slice is read from disk and
-no rank holds a whole tensor it shards. A pipeline stage maps them too: the tensors of the layers other
-stages hold find no parameter here and are never read.
+A tensor-parallel rank keeps each file's views valid while it reads the file (`mapped=True`): the layers'
+loaders narrow a view to the rank's slice before copying, so only that slice is read from disk and no
+rank holds a whole tensor it shards. A pipeline stage reads them the same way: the tensors of the layers
+other stages hold find no parameter here and are never read.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import math
 import mmap
 import os
 import struct
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,40 +90,37 @@ def read_header(f: Any, path: str) -> tuple[dict[str, Any], int]:
 
 
 def iterate_checkpoint(model_dir: str, mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint, file by file, each read into a CPU tensor of its own, or
-    with `mapped` a read-only view of the memory-mapped file (valid while the iteration is at its file)."""
+    """Every (name, tensor) of the checkpoint, file by file, as a view of the memory-mapped file (copy-on-write). A
+    tensor is valid until the next one is asked for: its pages are then dropped from this process (they stay
+    in the page cache), so resident memory never holds more than one tensor of the file. With `mapped` every
+    view stays valid while the iteration is at its file (a tensor-parallel rank's loaders narrow a view before
+    they copy, and only the slice they read is ever resident)."""
     for path in checkpoint_files(model_dir):
         with open(path, "rb") as f:
             header, data_start = read_header(f, path)
-            if mapped:
-                yield from _mapped_tensors(f, header, data_start)
-                continue
-            for name, info in header.items():
-                begin, end = info["data_offsets"]
-                buf = torch.empty(end - begin, dtype=torch.uint8)
-                f.seek(data_start + begin)
-                if end > begin and f.readinto(memoryview(buf.numpy())) != end - begin:  # type: ignore[arg-type]
-                    raise ValueError(f"{path} is truncated at tensor {name!r}")
-                yield name, buf.view(_ST_DTYPES[info["dtype"]]).view(info["shape"])
+            yield from _mapped_tensors(f, header, data_start, release=not mapped)
 
 
-def _mapped_tensors(f: Any, header: dict[str, Any], data_start: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _mapped_tensors(f: Any, header: dict[str, Any], data_start: int,
+                    release: bool) -> Iterator[tuple[str, torch.Tensor]]:
     size = os.fstat(f.fileno()).st_size
     if size == 0:
         return
-    view = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    # copy-on-write: a loader that wrote into a tensor it was handed would write into pages of its own
+    view = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     for name, info in header.items():
         begin, end = info["data_offsets"]
         if end == begin:
             yield name, torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
             continue
-        with warnings.catch_warnings():  # read-only: the loaders only copy out of it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+        raw = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
         dtype = _ST_DTYPES[info["dtype"]]
         if (data_start + begin) % dtype.itemsize:  # a header not padded to alignment: a copy views as dtype
             raw = raw.clone()
         yield name, raw.view(dtype).view(info["shape"])
+        if release and hasattr(mmap, "MADV_DONTNEED"):  # (pages this tensor shares with the next refault)
+            first = (data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+            view.madvise(mmap.MADV_DONTNEED, first, data_start + end - first)
 
 
 @contextlib.contextmanager

@@ -73,8 +73,15 @@ class Worker:
         use_kernels = self.device.type == "cpu" and cfg.device.cpu_kernels
         self.kernels: Any = load_cpu_kernels() if use_kernels else None
         self.ops: Any = self.kernels if self.dtype == torch.bfloat16 else None
-        self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
-                                     self._linear_method(), self.tp, self.pp)
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu" and cfg.parallel.world_size == 1:
+            # the load's copies and repacking on every CPU this process may use, not only the compute threads
+            torch.set_num_threads(max(threads, default_num_threads()))
+        try:
+            self.model: Any = load_model(cfg.model.model, cfg.model.arch, self.dtype, self.device,
+                                         self._linear_method(), self.tp, self.pp)
+        finally:
+            torch.set_num_threads(threads)
         self._fuse_elementwise(self.model)
         if self.device.type == "cuda" and cfg.attention_backend == "triton":  # the fused Triton layers, the GEMV
             from tokenmill.kernels.triton.elementwise import TritonOps

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -278,6 +279,43 @@ at::Tensor bf16p_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::
   });
 }
 
+// A bf16 [N, K] weight (N a multiple of kNr, contiguous) rearranged in place into bf16_panels' layout and returned
+// as [N / kNr, K, kNr]: panel p takes the same bytes as rows p * kNr .. + kNr, so each panel is copied out (a
+// kNr x K block, in L2) and written back interleaved, with no second weight-sized buffer. Eight k at a time: row
+// i's and row 8 + i's eight bf16 interleave into eight 32-bit words (one per k), and an 8 x 8 transpose of those
+// words gives each k's 16 weights in the panels' order.
+at::Tensor bf16_panels_(at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.size(0) % kNr == 0, "bf16_panels_: weight must be contiguous bf16 [N, K], N a multiple of 16");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  auto* w = reinterpret_cast<uint16_t*>(weight.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N / kNr, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint16_t> block(kNr * K);
+    for (int64_t p = p0; p < p1; ++p) {
+      uint16_t* panel = w + p * kNr * K;
+      std::copy(panel, panel + kNr * K, block.data());
+      const uint16_t* rows = block.data();
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) {
+        __m256 v[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          const __m128i lo_row = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i * K + k));
+          const __m128i hi_row = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + (8 + i) * K + k));
+          v[i] = _mm256_castsi256_ps(_mm256_set_m128i(_mm_unpackhi_epi16(lo_row, hi_row), _mm_unpacklo_epi16(lo_row, hi_row)));
+        }
+        transpose8(v);  // v[j]: the eight words of k + j
+        for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(panel + (k + j) * kNr), v[j]);
+      }
+      for (; k < K; ++k)
+        for (int64_t i = 0; i < 8; ++i) {
+          panel[k * kNr + 2 * i] = rows[i * K + k];
+          panel[k * kNr + 2 * i + 1] = rows[(8 + i) * K + k];
+        }
+    }
+  });
+  return weight.view({N / kNr, K, kNr});
+}
+
 }  // namespace
 
 #else  // no AVX2/FMA: the layers keep their torch path
@@ -289,6 +327,7 @@ at::Tensor bf16w_gemm(const at::Tensor&, const at::Tensor&, const c10::optional<
 at::Tensor bf16p_gemm(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "bf16p_gemm: built without AVX2/FMA");
 }
+at::Tensor bf16_panels_(at::Tensor&) { TORCH_CHECK(false, "bf16_panels_: built without AVX2/FMA"); }
 }  // namespace
 
 #endif
@@ -296,8 +335,10 @@ at::Tensor bf16p_gemm(const at::Tensor&, const at::Tensor&, const c10::optional<
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("bf16w_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("bf16p_gemm(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
+  m.def("bf16_panels_(Tensor(a!) weight) -> Tensor(a!)");
 }
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("bf16w_gemm", &bf16w_gemm);
   m.impl("bf16p_gemm", &bf16p_gemm);
+  m.impl("bf16_panels_", &bf16_panels_);
 }
