@@ -11,6 +11,12 @@ Usage (from the repository root)::
 (sizes as `tokenmill plan` counts them). `--tokenizer DIR` copies a tokenizer (e.g. the anchors kit's
 32000-token Llama one) in place of the tests' BPE, for llama.cpp's GGUF converter.
 
+The shapes of the CPU sizes users run are written tensor by tensor, never held whole (an 8B model's float32
+copy would not fit in this machine's memory)::
+
+    .venv/bin/python tools/build_random_model.py llama-3b /tmp/llama-3b     # 2.8B, the anchors kit's 3B shape
+    .venv/bin/python tools/build_random_model.py llama-8b /tmp/llama-8b     # 7.5B, Llama-3-8B's shape (vocab 32000)
+
 Then e.g. ``tokenmill bench latency --model /tmp/mixtral-1b --dtype bfloat16 --input-len 128
 --output-len 128`` (MBU counts the k routed experts a batch-1 step reads), ``tokenmill plan
 /tmp/dsv2-1b`` (MLA's KV bytes per token and capacity gain).
@@ -20,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from typing import Any
@@ -52,11 +60,49 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa-1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=6912, num_hidden_layers=16,
                                    num_attention_heads=16, num_key_value_heads=4)),
 }
+# written tensor by tensor (write_streamed): weights N(0, 0.02), norms N(1, 0.2), as build_model's
+STREAMED: dict[str, dict[str, Any]] = {
+    "llama-3b": dict(COMMON, hidden_size=3072, intermediate_size=8192, num_hidden_layers=26,
+                     num_attention_heads=24, num_key_value_heads=8),
+    "llama-8b": dict(COMMON, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+}
+
+
+def write_streamed(fields: dict[str, Any], out_dir: str, tokenizer_dir: str, seed: int) -> None:
+    """A random bf16 Llama of these config fields saved as one safetensors file, each tensor generated and written
+    in turn: the shapes come from transformers' model built on the meta device (no storage)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**fields)
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned
+    os.makedirs(out_dir, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape in shapes.items():
+            mean, std = (1.0, 0.2) if "norm" in name else (0.0, cfg.initializer_range)
+            t = torch.empty(shape).normal_(mean, std, generator=gen).to(torch.bfloat16)
+            f.write(t.view(torch.uint8).numpy().tobytes())
+    cfg.architectures, cfg.dtype = ["LlamaForCausalLM"], "bfloat16"
+    cfg.save_pretrained(out_dir)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("shape", choices=sorted([*SHAPES, *STREAMED]))
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON",
@@ -66,7 +112,7 @@ def main() -> int:
                         "training the tests' 512-token BPE; e.g. a 32000-token Llama tokenizer, which llama.cpp's "
                         "GGUF converter reads")
     args = p.parse_args()
-    family, fields = SHAPES[args.shape]
+    family, fields = SHAPES[args.shape] if args.shape in SHAPES else ("llama", STREAMED[args.shape])
     for item in args.set:
         key, _, value = item.partition("=")
         fields = {**fields, key: json.loads(value)}
@@ -78,7 +124,10 @@ def main() -> int:
                     shutil.copy(os.path.join(args.tokenizer, name), tok_dir)
         else:
             train_tokenizer(tok_dir)
-        build_model(args.shape, args.out_dir, tok_dir, seed=args.seed, max_shard_size="2GB", dtype="bfloat16")
+        if args.shape in STREAMED:
+            write_streamed(fields, args.out_dir, tok_dir, args.seed)
+        else:
+            build_model(args.shape, args.out_dir, tok_dir, seed=args.seed, max_shard_size="2GB", dtype="bfloat16")
     print(args.out_dir)
     return 0
 
