@@ -10,6 +10,7 @@ import pytest
 
 from tokenmill.arch import load_arch_config
 from tokenmill.bench.model_math import ModelCost
+from tokenmill.bench.roofline import kernel_peaks
 from tokenmill.bench.workload import random_workload
 from tokenmill.entrypoints.cli import main
 
@@ -55,8 +56,14 @@ def test_throughput_bench_counts_and_estimates(llama_dir: str, tmp_path: Path,
     assert r["mbu_ceiling_raised"] == (r["achieved_GBps"] > 10)
     assert (r["flops_source"], r["bandwidth_source"]) == ("given", "given")
 
-    bare = run([*common, "--runs", "1", "--no-roofline"], capsys)  # nothing cached, nothing measured
+    if max(kernel_peaks(1, 1).values(), default=0.0) > 0:  # a peak loop runs here: timed before and after the runs
+        assert r["host_peak_gflops_before"] > 0 and r["host_peak_gflops_after"] > 0
+    else:
+        assert r["host_peak_gflops_before"] is r["host_peak_gflops_after"] is None
+
+    bare = run([*common, "--runs", "1", "--no-roofline", "--no-host-probe"], capsys)  # nothing cached or measured
     assert (bare["mfu"], bare["mbu"], bare["flops_source"]) == (None, None, "none")
+    assert bare["host_peak_gflops_before"] is bare["host_peak_gflops_after"] is None
     assert bare["achieved_gflops"] > 0
 
 

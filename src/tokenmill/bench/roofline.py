@@ -101,6 +101,14 @@ def best(fn: Callable[[], object], reps: int, device: str = "cpu") -> float:
     return min(times)
 
 
+def probe_peak(threads: int) -> float | None:
+    """The best of the peak loops' GFLOP/s at `threads` threads now (about a second), or None without the C++
+    kernels: set beside the cached peak, it says whether the host gave the run its cores' arithmetic (a shared
+    host's vCPUs may share a core's FMA units with other work)."""
+    best = max(kernel_peaks(threads, 3).values(), default=0.0)
+    return round(best, 1) if best > 0 else None
+
+
 def kernel_peaks(threads: int, reps: int) -> dict[str, float]:
     """GFLOP/s of the peak loops at `threads` threads, each calibrated to run about PEAK_LOOP_S; 0 for a
     loop not built here (or with no C++ kernels at all)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from tokenmill.bench.model_math import ModelCost
 from tokenmill.bench.results import ResultSink, emit, gpu_pdl, loaded_weight_bytes, peak_rss_mb, require_positive, sig
-from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings
+from tokenmill.bench.roofline import Ceilings, add_ceiling_args, ceilings, probe_peak
 from tokenmill.bench.spec_workload import spec_fields
 from tokenmill.bench.workload import BenchRequest, load_jsonl, random_workload
 from tokenmill.config import EngineArgs
@@ -42,6 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false")
+    p.add_argument("--no-host-probe", dest="host_probe", action="store_false",
+                   help="skip timing the peak FMA loop at the run's threads before and after the runs (CPU)")
     add_ceiling_args(p)
     EngineArgs.add_cli_args(p)
 
@@ -99,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     prompts, params = generate_inputs(reqs, args.ignore_eos)
     llm.generate(prompts[:16], [p.clone(max_tokens=min(16, p.max_tokens or 16)) for p in params[:16]],
                  use_tqdm=False)
+    threads = torch.get_num_threads()
+    device = config.device.device
+    probe = args.host_probe and device == "cpu"
+    host_before = probe_peak(threads) if probe else None
     walls, steps, outs = [], [], []
     stats0 = llm.engine.stats
     for _ in range(args.runs):
@@ -108,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - t)
         steps.append(llm.engine.stats.num_steps - steps0)
+    host_after = probe_peak(threads) if probe else None
     wall, step_count = statistics.median(walls), statistics.median(steps)
     lens = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs]  # the last run's
     quant = config.model.quantization
@@ -115,8 +122,6 @@ def run(args: argparse.Namespace) -> int:
     bs, blocks = config.cache.block_size, llm.engine.core.num_blocks
     seq_len = max(p + r.max_tokens for (p, _), r in zip(lens, reqs, strict=True))
     prompt_tokens, output_tokens = sum(p for p, _ in lens), sum(o for _, o in lens)
-    threads = torch.get_num_threads()
-    device = config.device.device
     roof = ceilings(config.model.dtype, args.bandwidth, args.flops, threads if device == "cpu" else 1,
                     measure_missing=args.roofline, device=device)
     emit({
@@ -130,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_mb": round(peak_rss_mb(), 1), "kv_blocks": llm.engine.core.num_blocks,
         "kv_blocks_used_peak": llm.engine.stats.peak_used_blocks, "steps": step_count, "steps_runs": steps,
         **estimates(cost, lens, step_count, wall, roof),
+        "host_peak_gflops_before": host_before, "host_peak_gflops_after": host_after,
         **engine_fields(stats0.step, llm.engine.stats.step, roof),
         "kv_cache_dtype": config.cache.kv_cache_dtype, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_seq_len": seq_len, "kv_seqs_fit": blocks // -(-seq_len // bs),
