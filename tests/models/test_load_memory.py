@@ -77,4 +77,4 @@ def test_panels_load_holds_the_checkpoint_and_one_tensor(tmp_path: os.PathLike[s
     size, largest = _checkpoint(tmp_path)
     rss = _peak_rss(tmp_path, "panels")
     # the parameters, the one tensor whose mapped pages are resident while it is copied, and allocator slack
-    assert rss["peak"] - rss["before"] <= size + largest + (8 << 20), (rss, size, largest)
+    assert rss["peak"] - rss["before"] <= size + largest + (16 << 20), (rss, size, largest)
