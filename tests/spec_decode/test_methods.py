@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from tokenmill import LLM, SamplingParams
 PROMPTS = random_prompts(5, 3, 40, seed=41)
 REPEATS = [p[:6] * 4 for p in random_prompts(2, 6, 6, seed=42)]  # prompt lookup finds these
 SHARED = random_prompts(1, 20, 20, seed=43)[0]
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"  # the shipped demo models
 ALL = PROMPTS + REPEATS + [SHARED + t for t in random_prompts(2, 2, 10, seed=44)]
 
 METHODS = ["ngram", "lookahead", "draft_model"]
@@ -155,14 +157,29 @@ def test_the_draft_models_fused_steps_match_its_layer_loop(llama_dir: str, draft
     """Where the draft takes the fused decode path: its proposals (catch-up feeds and one-token
     steps as decode rows in one C++ call) are bitwise those of its layer loop over the same rows, and the
     target's output is the same."""
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=20, ignore_eos=True) for i in range(len(ALL))]
+    assert_fused_draft_matches_loop(llama_dir, draft_dir, dtype, ALL, params)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_shipped_drafts_fused_steps_match_its_layer_loop(temperature: float) -> None:
+    """The same on the shipped bf16 pair in dtype auto: on a CPU without bf16 arithmetic the draft runs float32 with
+    its weights in bf16 panels (the fused path's panels form), elsewhere bf16."""
+    target, draft = (str(MODELS_DIR / name) for name in ("tokenmill-demo", "tokenmill-draft"))
+    prompts = ["ROMEO.\nWhat light through yonder", "KING.\nNow is the winter of our", "To be, or not to be"]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=24, ignore_eos=True) for i in range(3)]
+    assert_fused_draft_matches_loop(target, draft, "auto", prompts, params)
+
+
+def assert_fused_draft_matches_loop(target: str, draft_dir: str, dtype: str, prompts: list[Any],
+                                    params: list[SamplingParams]) -> None:
     from tokenmill.kernels import load_cpu_kernels
 
     if load_cpu_kernels() is None:
         pytest.skip("needs the C++ kernels")
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=20, ignore_eos=True) for i in range(len(ALL))]
     results = []
     for reference in (False, True):
-        llm = LLM(llama_dir, dtype=dtype, block_size=8, num_threads=1, kv_cache_memory="8MiB",
+        llm = LLM(target, dtype=dtype, block_size=8, num_threads=1, kv_cache_memory="8MiB",
                   async_scheduling=False, speculative_config=spec_config("draft_model", draft_dir, k=3,
                                                                          adaptive=False))
         draft = llm.engine.core.executor.runner.proposer.proposer
@@ -178,7 +195,7 @@ def test_the_draft_models_fused_steps_match_its_layer_loop(llama_dir: str, draft
             return out
 
         draft.propose = recording
-        outs = [o.outputs[0].token_ids for o in llm.generate(ALL, params, use_tqdm=False)]
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert sum(map(len, proposals)) > 10 and draft_cache_is_free(llm)
         results.append((outs, [sorted(p.items()) for p in proposals]))
     assert results[0] == results[1]
