@@ -15,7 +15,7 @@ The shapes of the CPU sizes users run are written tensor by tensor, never held w
 copy would not fit in this machine's memory)::
 
     .venv/bin/python tools/build_random_model.py llama-3b /tmp/llama-3b     # 2.8B, the anchors kit's 3B shape
-    .venv/bin/python tools/build_random_model.py llama-8b /tmp/llama-8b     # 7.5B, Llama-3-8B's shape (vocab 32000)
+    .venv/bin/python tools/build_random_model.py llama-8b /tmp/llama-8b     # 7.2B, Llama-3-8B's shape (vocab 32000)
 
 Then e.g. ``tokenmill bench latency --model /tmp/mixtral-1b --dtype bfloat16 --input-len 128
 --output-len 128`` (MBU counts the k routed experts a batch-1 step reads), ``tokenmill plan
