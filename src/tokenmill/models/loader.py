@@ -8,7 +8,7 @@ each tensor is a view of its memory-mapped file, copied into its parameter strai
 peak RSS stays near the size of the weights plus the largest tensor. Then every linear layer's method
 post-processes its weights (e.g. packs them for oneDNN, or rearranges bf16 ones into panels in place).
 
-A tensor-parallel rank keeps each file's views valid while it reads the file (`mapped=True`): the layers'
+A tensor-parallel rank keeps each file's views valid while it reads the file (`keep_views=True`): the layers'
 loaders narrow a view to the rank's slice before copying, so only that slice is read from disk and no
 rank holds a whole tensor it shards. A pipeline stage reads them the same way: the tensors of the layers
 other stages hold find no parameter here and are never read.
@@ -89,16 +89,16 @@ def read_header(f: Any, path: str) -> tuple[dict[str, Any], int]:
     return header, data_start
 
 
-def iterate_checkpoint(model_dir: str, mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(model_dir: str, keep_views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the checkpoint, file by file, as a view of the memory-mapped file (copy-on-write). A
     tensor is valid until the next one is asked for: its pages are then dropped from this process (they stay
-    in the page cache), so resident memory never holds more than one tensor of the file. With `mapped` every
+    in the page cache), so resident memory never holds more than one tensor of the file. With `keep_views` every
     view stays valid while the iteration is at its file (a tensor-parallel rank's loaders narrow a view before
     they copy, and only the slice they read is ever resident)."""
     for path in checkpoint_files(model_dir):
         with open(path, "rb") as f:
             header, data_start = read_header(f, path)
-            yield from _mapped_tensors(f, header, data_start, release=not mapped)
+            yield from _mapped_tensors(f, header, data_start, release=not keep_views)
 
 
 def _mapped_tensors(f: Any, header: dict[str, Any], data_start: int,
@@ -154,7 +154,7 @@ def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torc
     model = build_model(cfg, dtype, device, linear_method, tp, pp)
     sharded = (tp is not None and tp.size > 1) or (pp is not None and pp.size > 1)
     with torch.no_grad():
-        loaded = model.load_weights(iterate_checkpoint(model_dir, mapped=sharded))  # type: ignore[operator]
+        loaded = model.load_weights(iterate_checkpoint(model_dir, keep_views=sharded))  # type: ignore[operator]
         missing = missing_weights(model, loaded)
         if missing:
             raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
