@@ -11,7 +11,7 @@ Usage (from the repository root)::
 (sizes as `tokenmill plan` counts them). `--tokenizer DIR` copies a tokenizer (e.g. the anchors kit's
 32000-token Llama one) in place of the tests' BPE, for llama.cpp's GGUF converter.
 
-The shapes of the CPU sizes users run are written tensor by tensor, never held whole (an 8B model's float32
+The shapes of the CPU sizes users run are written a decoder layer at a time, never held whole (an 8B model's float32
 copy would not fit in this machine's memory)::
 
     .venv/bin/python tools/build_random_model.py llama-3b /tmp/llama-3b     # 2.8B, the anchors kit's 3B shape
@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from typing import Any
@@ -60,7 +59,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa-1b": ("llama", dict(COMMON, hidden_size=2048, intermediate_size=6912, num_hidden_layers=16,
                                    num_attention_heads=16, num_key_value_heads=4)),
 }
-# written tensor by tensor (write_streamed): weights N(0, 0.02), norms N(1, 0.2), as build_model's
+# written a layer at a time (write_streamed): weights N(0, 0.02), norms N(1, 0.2), as build_model's
 STREAMED: dict[str, dict[str, Any]] = {
     "llama-3b": dict(COMMON, hidden_size=3072, intermediate_size=8192, num_hidden_layers=26,
                      num_attention_heads=24, num_key_value_heads=8),
@@ -70,30 +69,34 @@ STREAMED: dict[str, dict[str, Any]] = {
 
 
 def write_streamed(fields: dict[str, Any], out_dir: str, tokenizer_dir: str, seed: int) -> None:
-    """A random bf16 Llama of these config fields saved as one safetensors file, each tensor generated and written
-    in turn: the shapes come from transformers' model built on the meta device (no storage)."""
+    """A random bf16 Llama of these config fields saved a shard at a time (one per decoder layer, one for the rest,
+    with the index transformers writes), each shard's tensors generated just before it is saved: the shapes come
+    from transformers' model built on the meta device (no storage)."""
     import torch
     import transformers
+    from safetensors.torch import save_file
 
     cfg = transformers.LlamaConfig(**fields)
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in transformers.LlamaForCausalLM(cfg).state_dict().items()}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        size = 2 * math.prod(shape)
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned
+    shards: dict[str, list[str]] = {}
+    for name in shapes:
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        shards.setdefault("rest" if layer is None else f"layer-{int(layer):03d}", []).append(name)
     os.makedirs(out_dir, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, shape in shapes.items():
+    weight_map: dict[str, str] = {}
+    for shard, names in shards.items():
+        tensors = {}
+        for name in names:
             mean, std = (1.0, 0.2) if "norm" in name else (0.0, cfg.initializer_range)
-            t = torch.empty(shape).normal_(mean, std, generator=gen).to(torch.bfloat16)
-            f.write(t.view(torch.uint8).numpy().tobytes())
+            tensors[name] = torch.empty(shapes[name]).normal_(mean, std, generator=gen).to(torch.bfloat16)
+        file = f"model-{shard}.safetensors"
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(2 * math.prod(shape) for shape in shapes.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     cfg.architectures, cfg.dtype = ["LlamaForCausalLM"], "bfloat16"
     cfg.save_pretrained(out_dir)
     for name in os.listdir(tokenizer_dir):
