@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.messages import EngineCoreRequest, KVTransferParams
+from tokenmill.engine import tokenizer_cache
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import check_structured_outputs
 
@@ -65,18 +66,28 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
 
 
 def load_tokenizer(path: str) -> Any:
-    """transformers' tokenizer for the checkpoint. A plain tokenizer.json (no model-specific
-    tokenizer class) is loaded without AutoTokenizer, whose imports cost seconds of start-up."""
+    """transformers' tokenizer for the checkpoint. AutoTokenizer, whose imports cost seconds of
+    start-up, runs only where neither shortcut applies: a plain tokenizer.json (no model-specific
+    tokenizer class) loads as PreTrainedTokenizerFast, and a checkpoint whose class AutoTokenizer chose
+    before loads that class (tokenizer_cache)."""
     try:
         if _tokenizer_class(path) in _PLAIN_FAST_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
             from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        cls = tokenizer_cache.cached_class(path)
+        if cls is not None:
+            try:
+                return cls.from_pretrained(path, local_files_only=True)  # type: ignore[attr-defined]
+            except Exception:  # transformers raises many types here; AutoTokenizer decides again
+                pass
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+    tokenizer_cache.remember(path, tokenizer)
+    return tokenizer
 
 
 def _tokenizer_class(path: str) -> str | None:

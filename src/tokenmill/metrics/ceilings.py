@@ -15,6 +15,8 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.user_cache import cache_dir
+
 # the figures a cache entry must have to be used (older entries, measured with torch alone, lack them)
 CEILING_FIELDS = ("mem_read_GBps", "peak_bf16_gflops", "peak_fp32_gflops")
 
@@ -30,10 +32,8 @@ def cpu_name() -> str:
 
 
 def cache_path() -> str:
-    """$TOKENMILL_CACHE_DIR/roofline.json, else ~/.cache/tokenmill/roofline.json (XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill")
-    return os.path.join(root, "roofline.json")
+    """roofline.json in the user cache directory (user_cache.cache_dir)."""
+    return os.path.join(cache_dir(), "roofline.json")
 
 
 def read_cache() -> dict[str, Any]:
