@@ -30,7 +30,7 @@ def test_model_cost_counts_the_loaded_bytes(model_dirs: dict[str, str], fmt: str
         onednn = sum(int(torch.ops.mkldnn._nbytes(m.onednn_qweight)) for m in worker.model.modules()
                      if hasattr(m, "onednn_qweight"))
         # (where this CPU runs the VNNI kernels, which W8A8 needs to take oneDNN's path for large batches)
-        assert (onednn > 0) == (fmt == "w8a8" and quantized_kernels(load_cpu_kernels()) is not None)
+        assert (onednn > 0) == (fmt == "w8a8" and quantized_kernels(load_cpu_kernels(), "w8a8") is not None)
         # a tied lm_head that oneDNN packed (the float lm_head of a quantized model, where oneDNN packs float32:
         # an AVX2-only CPU) is a reordered copy of the embedding, a tensor of its own
         lm_head = worker.model.lm_head

@@ -131,7 +131,8 @@ def test_the_fused_decode_path_takes_quantized_models_with_kernels(model_dirs: d
     for kernels in (True, False):
         llm = LLM(src, dtype="bfloat16", kv_cache_memory="8MiB", quantization="int8", cpu_kernels=kernels)
         runner = llm.engine.core.executor.worker.runner()  # type: ignore[attr-defined]
-        assert (runner.fused_decode is not None) == (kernels and quantized_kernels(load_cpu_kernels()) is not None)
+        expected = kernels and quantized_kernels(load_cpu_kernels(), "int8") is not None
+        assert (runner.fused_decode is not None) == expected
         out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
 

@@ -5,8 +5,9 @@ GPTQ and AWQ checkpoints or quantized at load by round-to-nearest (`quantization
 A `QuantizedLinearMethod` registers the checkpoint format's parameters (`formats.py`), turns them after
 loading into the layout tokenmill's kernels read (`reference.py`) and drops them, so no float copy of
 a weight stays in memory. `apply` runs the C++ kernels (kernels/cpu/linear/quantized.cpp), which
-dequantize in registers, where they are built and the CPU has AVX-512 BW and VNNI; elsewhere, and for
-W8A16/W4A16 batches over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
+dequantize in registers, where they are built and the CPU runs them (`quantized_kernels`: every scheme with
+AVX-512 BW and VNNI; W8A16 and W4A16 with AVX2 and FMA, in fp32); elsewhere, and for W8A16/W4A16 batches
+over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
 then a float matmul). W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
 oneDNN-packed copy of the weight (the same integer products; AMX on CPUs that have it). The lm_head
 stays a float layer (`lm_head_method`), as the formats leave it.
@@ -31,19 +32,24 @@ from tokenmill.quantization_config import QuantConfig
 logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the kernels take; larger batches are compute-bound matmuls
 W8A8_VNNI_MAX_ROWS = 16  # W8A8: rows the VNNI kernel takes; oneDNN's int8 matmul (AMX where there is one) beyond
-REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")
+REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")  # every kernel: W8A8 and bf16 activations' VNNI products
+WEIGHT_ONLY_CPU_FLAGS = ("avx2", "fma")  # int8 and int4 (W8A16/W4A16) in fp32, 8 lanes
 
 
-def quantized_kernels(ops: Any) -> Any:
-    """ops where its quantized-linear kernels are built and this CPU runs them, else None (logged)."""
+def quantized_kernels(ops: Any, scheme: str) -> Any:
+    """ops where its kernels for `scheme` (int8, int4, w8a8) are built and this CPU runs them, else None
+    (logged): every scheme with AVX-512 BW/VNNI, int8 and int4 with AVX2 and FMA."""
     if ops is None:
         return None
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
-    if missing or not ops.has_quantized_linear():
-        logger.info("quantized linear kernels unavailable (CPU lacks %s); using the torch reference path",
-                    ", ".join(missing) or "the build's AVX-512 BW/VNNI")
-        return None
-    return ops
+    flags = cpu_flags()
+    if all(f in flags for f in REQUIRED_CPU_FLAGS) and ops.has_quantized_linear():
+        return ops
+    if scheme != "w8a8" and all(f in flags for f in WEIGHT_ONLY_CPU_FLAGS) and ops.has_weight_only_linear():
+        return ops
+    needs = REQUIRED_CPU_FLAGS if scheme == "w8a8" else WEIGHT_ONLY_CPU_FLAGS
+    logger.info("%s linear kernels unavailable (this CPU or build lacks %s); using the torch reference path",
+                scheme, " or ".join(needs))
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,7 +98,7 @@ class QuantizedLinearMethod:
 
     def __init__(self, cfg: QuantConfig, ops: Any = None, lm_head_ops: Any = None) -> None:
         self.cfg = cfg
-        self.kernels = quantized_kernels(ops)
+        self.kernels = quantized_kernels(ops, cfg.scheme)
         self.lm_head_method: LinearMethod = UnquantizedLinearMethod(lm_head_ops)
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:

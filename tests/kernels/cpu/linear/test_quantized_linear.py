@@ -17,8 +17,12 @@ from tokenmill.layers.quantization import onednn_int8_available
 from tokenmill.layers.quantization import reference as ref
 
 OPS = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_quantized_linear(),
-                                reason="quantized kernels unavailable (no AVX-512 BW/VNNI)")
+# int8_linear and int4_linear run on AVX-512 BW/VNNI and on AVX2 (fp32 x only there: bf16 x is widened to it);
+# W8A8 needs VNNI
+pytestmark = pytest.mark.skipif(OPS is None or not OPS.has_weight_only_linear(),
+                                reason="quantized kernels unavailable (no AVX-512 BW/VNNI, no AVX2)")
+needs_vnni = pytest.mark.skipif(OPS is None or not OPS.has_quantized_linear(),
+                                reason="W8A8 kernels unavailable (no AVX-512 BW/VNNI)")
 # (rows of x, outputs, K): K on and off the group and the 16/32/64 runs, 1 to 7 outputs, row tiles and tails;
 # bf16 x of up to 16 rows takes the limb kernels (int4: K and group multiples of 128), 17 rows the float ones
 SHAPES = [(1, 1, 32), (3, 7, 70), (7, 5, 200), (13, 33, 130), (4, 96, 256), (1, 9, 384), (6, 11, 512),
@@ -63,6 +67,7 @@ def test_int4(m: int, n: int, k: int, group: int | None, zero_point: bool) -> No
         _close(got, ref.linear_ref(x, w, None), dtype, x.float().abs() @ w.abs().T)
 
 
+@needs_vnni
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_w8a8(m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -91,11 +96,20 @@ def test_every_row_count(m: int) -> None:
     w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 100, 32)
     _close(OPS.int4_linear(x, ref.pack_int4(q4), s4, z4, 100, 32, None), ref.linear_ref(x, w4, None), torch.float32,
            x.abs() @ w4.abs().T)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", range(1, 8))
+def test_every_row_count_w8a8(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    w, x = torch.randn(6, 100, generator=gen), torch.randn(m, 100, generator=gen)
+    q, scale = ref.rtn_int8(w)
     padded, wsum = ref.w8a8_layout(q)
     expected = ref.w8a8_ref(x, padded, scale, 100, None)
     torch.testing.assert_close(OPS.w8a8_linear(x, padded, scale, wsum, 100, None), expected, rtol=0, atol=0)
 
 
+@needs_vnni
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_by_onednn_int8(dtype: torch.dtype) -> None:
     # the batches over W8A8_VNNI_MAX_ROWS: quantize_rows_int8, oneDNN's int8 product, scale_rows; the integer
@@ -137,3 +151,25 @@ def test_kernels_check_their_input() -> None:
     with pytest.raises(RuntimeError, match="group"):
         OPS.int4_linear(torch.randn(2, 64), torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2),
                         torch.ones(8, 2), 64, 48, None)
+
+
+@pytest.mark.skipif(OPS is None or OPS.has_quantized_linear(), reason="this build has the W8A8 kernels")
+def test_w8a8_ops_say_they_are_missing() -> None:
+    q, scale = ref.rtn_int8(torch.randn(8, 64))
+    padded, wsum = ref.w8a8_layout(q)
+    with pytest.raises(RuntimeError, match="built without AVX512-BW/VNNI"):
+        OPS.w8a8_linear(torch.randn(2, 64), padded, scale, wsum, 64, None)
+
+
+def test_int8_and_int4_on_a_decoder_layer_shape() -> None:
+    """One row against a 1.1B Llama's MLP shape: many NR-row blocks and the prefetch past them."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(5632, 2048, generator=gen) * 0.02, torch.randn(1, 2048, generator=gen)
+    q, scale = ref.rtn_int8(w)
+    w8 = ref.dequantize_int8(q, scale)
+    _close(OPS.int8_linear(x, q, scale, ref.weight_sum(q), None), ref.linear_ref(x, w8, None), torch.float32,
+           x.abs() @ w8.abs().T)
+    q4, s4, z4 = ref.rtn_int4(w, 128, True)
+    w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 2048, 128)
+    _close(OPS.int4_linear(x, ref.pack_int4(q4), s4, z4, 2048, 128, None), ref.linear_ref(x, w4, None),
+           torch.float32, x.abs() @ w4.abs().T)

@@ -23,7 +23,15 @@
 #include <tuple>
 #include <vector>
 
+// Built for AVX-512 BW/VNNI: every op. Built for AVX2 + FMA: int8_linear and int4_linear's fp32 path (x widened
+// to fp32, weights widened in registers, 8 lanes); W8A8 and the bf16 limb kernels need VNNI.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TM_QUANT_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TM_QUANT_AVX2 1
+#endif
+
+#if defined(TM_QUANT_AVX512) || defined(TM_QUANT_AVX2)
 #include <immintrin.h>
 
 namespace {
@@ -49,6 +57,8 @@ at::Tensor finish(at::Tensor y, const c10::optional<at::Tensor>& bias, const at:
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
+
+#ifdef TM_QUANT_AVX512
 
 template <int MR>
 void int8_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t K, int64_t n0,
@@ -251,6 +261,123 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
     for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = (_mm512_reduce_add_ps(f[r][j]) - corr[r][j]) * xs[r];
 }
 
+#else  // TM_QUANT_AVX2: the fp32 path's row kernels, 8 lanes
+
+// the sum of v's 8 lanes
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 8 int8 weights from p as fp32
+inline __m256 widen8_s8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// MR rows of x (fp32, ldx >= K) against NR weight rows from n: two accumulators per pair, so that 2 * MR * NR
+// FMA chains are in flight (one chain per output would leave a lone row bound by the FMA's latency). The next
+// NR rows are prefetched at the same k: rows of a few KiB end before the hardware prefetchers run ahead.
+template <int MR, int NR>
+void int8_block(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t K, int64_t n, float* y,
+                int64_t ldy) {
+  __m256 a[MR][NR], b[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) a[r][j] = _mm256_setzero_ps(), b[r][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    for (int j = 0; j < NR; ++j) {
+      const int8_t* wj = w + (n + j) * K + k;
+      _mm_prefetch(reinterpret_cast<const char*>(wj + NR * K), _MM_HINT_T0);
+      const __m256 w0 = widen8_s8(wj), w1 = widen8_s8(wj + 8);
+      for (int r = 0; r < MR; ++r) {
+        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w0, a[r][j]);
+        b[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k + 8), w1, b[r][j]);
+      }
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    for (int j = 0; j < NR; ++j) {
+      const __m256 w0 = widen8_s8(w + (n + j) * K + k);
+      for (int r = 0; r < MR; ++r) a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w0, a[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float t = hsum8(_mm256_add_ps(a[r][j], b[r][j]));
+      for (int64_t kk = k; kk < K; ++kk) t += x[r * ldx + kk] * static_cast<float>(w[(n + j) * K + kk]);
+      y[r * ldy + n + j] = t * scale[n + j];
+    }
+}
+
+template <int MR>
+void int8_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t K, int64_t n0,
+               int64_t n1, float* y, int64_t ldy) {
+  constexpr int NR = MR == 1 ? 4 : (MR == 4 ? 1 : 2);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) int8_block<MR, NR>(x, ldx, w, scale, K, n, y, ldy);
+  for (; n < n1; ++n) int8_block<MR, 1>(x, ldx, w, scale, K, n, y, ldy);
+}
+
+// int4 (the packed layout) against MR rows of x (fp32, zero past K, ldx >= Kp), NR weight rows from n; xsum as
+// int4_rows's (AVX-512) above: the zero point comes off once per group
+template <int MR, int NR>
+void int4_block(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale,
+                const float* zero, int64_t K, int64_t group, int64_t n, float* y, int64_t ldy) {
+  const int64_t Kp = round_up(K, 32), G = (K + group - 1) / group, row = Kp / 2;
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  __m256 acc[MR][NR];
+  float corr[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps(), corr[r][j] = 0.0f;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k_end = std::min(Kp, (g + 1) * group);
+    __m256 ga[MR][NR], gb[MR][NR];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps(), gb[r][j] = _mm256_setzero_ps();
+    for (int64_t k = g * group; k < k_end; k += 32) {
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* wj = w + (n + j) * row + k / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(wj + NR * row), _MM_HINT_T0);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wj));
+        const __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = x + r * ldx + k;
+          ga[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, ga[r][j]);
+          gb[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, gb[r][j]);
+          ga[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, ga[r][j]);
+          gb[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, gb[r][j]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const float s = scale[(n + j) * G + g], sz = s * (zero ? zero[(n + j) * G + g] : 8.0f);
+      const __m256 sv = _mm256_set1_ps(s);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(_mm256_add_ps(ga[r][j], gb[r][j]), sv, acc[r][j]);
+        corr[r][j] += sz * xsum[r * G + g];
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = hsum8(acc[r][j]) - corr[r][j];
+}
+
+template <int MR>
+void int4_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale,
+               const float* zero, int64_t K, int64_t group, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int NR = MR == 1 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) int4_block<MR, NR>(x, ldx, xsum, w, scale, zero, K, group, n, y, ldy);
+  for (; n < n1; ++n) int4_block<MR, 1>(x, ldx, xsum, w, scale, zero, K, group, n, y, ldy);
+}
+
+#endif  // TM_QUANT_AVX512
+
 // rows of x in tiles of up to kRowTile, each tile over every output; outputs split across threads
 template <typename Fn>
 void over_tiles(int64_t M, int64_t N, Fn fn) {
@@ -259,6 +386,7 @@ void over_tiles(int64_t M, int64_t N, Fn fn) {
   });
 }
 
+#ifdef TM_QUANT_AVX512
 // x's rows as limbs for the *_limb_rows kernels: xh, xl [M, Kp] (dest: byte offset of k's 16 limbs),
 // xs [M], and with group > 0 the per-group sums xg [M, Kp / group]
 struct Limbs {
@@ -296,6 +424,7 @@ constexpr int64_t kLimbMaxRows = 16;  // the layer's KERNEL_MAX_ROWS
 bool limb_path(const at::Tensor& x) {
   return x.scalar_type() == at::kBFloat16 && x.size(0) <= kLimbMaxRows && x.stride(1) == 1;
 }
+#endif  // TM_QUANT_AVX512
 
 // rows n0..n1 of one row tile, NR outputs at a time, then the rest one by one
 template <int MR, int NR, typename Fn1, typename FnN>
@@ -323,6 +452,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   check_x(x, K, "int8_linear");
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
+#ifdef TM_QUANT_AVX512
   if (limb_path(x)) {
     const int64_t Kp = round_up(K, 64);
     const Limbs xl = split_rows(x, Kp, true, [](int64_t k) { return k; }, 0);
@@ -342,6 +472,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     });
     return store_rows(y, M, N, bias, x);
   }
+#endif
   const int64_t Kp = round_up(K, 16);
   auto xf = padded_fp32(x, Kp);
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -376,6 +507,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *zp = zero.numel() ? zero.data_ptr<float>() : nullptr;
   // the limb kernels take whole chunks of 128 k per group; a group's int32 sums stay under 2^31 below 2^15
+#ifdef TM_QUANT_AVX512
   if (limb_path(x) && K % 128 == 0 && group % 128 == 0 && group <= 32768 && K % group == 0) {
     const Limbs xl = split_rows(x, K, false, [](int64_t k) {
       const int64_t b = (k % 128) / 16;
@@ -397,6 +529,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     });
     return store_rows(y, M, N, bias, x);
   }
+#endif
   auto xf = padded_fp32(x, Kp);
   // each row's sum over each group (the padding is zero)
   auto xsum = at::zeros({M, G * group}, xf.options());
@@ -420,6 +553,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return finish(y, bias, x);
 }
 
+#ifdef TM_QUANT_AVX512
 // each row of x as unsigned int8 (q + 128) [M, Kp] and its scale [M]; the reference rounds the same way
 void quantize_rows(const float* x, int64_t M, int64_t Kp, uint8_t* q, float* xs) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
@@ -536,13 +670,31 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scale, const c1
 
 bool has_quantized_linear() { return true; }
 
+#else  // TM_QUANT_AVX2: W8A8 keeps its torch reference path
+
+[[noreturn]] void unavailable() { TORCH_CHECK(false, "W8A8 linear kernels: built without AVX512-BW/VNNI"); }
+
+at::Tensor w8a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                       const c10::optional<at::Tensor>&) {
+  unavailable();
+}
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor&) { unavailable(); }
+at::Tensor scale_rows(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType) {
+  unavailable();
+}
+bool has_quantized_linear() { return false; }
+
+#endif  // TM_QUANT_AVX512
+
+bool has_weight_only_linear() { return true; }
+
 }  // namespace
 
-#else  // no AVX-512 BW/VNNI: the quantized methods keep their torch reference path
+#else  // neither AVX-512 BW/VNNI nor AVX2: the quantized methods keep their torch reference path
 
 namespace {
 
-[[noreturn]] void unavailable() { TORCH_CHECK(false, "quantized linear kernels: built without AVX512-BW/VNNI"); }
+[[noreturn]] void unavailable() { TORCH_CHECK(false, "quantized linear kernels: built without AVX512-BW/VNNI or AVX2"); }
 
 at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                        const c10::optional<at::Tensor>&) {
@@ -561,6 +713,7 @@ at::Tensor scale_rows(const at::Tensor&, const at::Tensor&, const c10::optional<
   unavailable();
 }
 bool has_quantized_linear() { return false; }
+bool has_weight_only_linear() { return false; }
 
 }  // namespace
 
@@ -568,6 +721,7 @@ bool has_quantized_linear() { return false; }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("has_quantized_linear() -> bool", &has_quantized_linear);
+  m.def("has_weight_only_linear() -> bool", &has_weight_only_linear);
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, Tensor zero, int in_features, int group, "
         "Tensor? bias) -> Tensor");
