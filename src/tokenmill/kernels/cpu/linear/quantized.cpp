@@ -23,8 +23,8 @@
 #include <tuple>
 #include <vector>
 
-// Built for AVX-512 BW/VNNI: every op. Built for AVX2 + FMA: int8_linear and int4_linear's fp32 path (x widened
-// to fp32, weights widened in registers, 8 lanes); W8A8 and the bf16 limb kernels need VNNI.
+// Built for AVX-512 BW/VNNI: every op. Built for AVX2 + FMA: int8_linear and int4_linear (x, bf16 or fp32, as
+// 16-bit fixed point per row against the weights widened to int16); W8A8 and the bf16 limb kernels need VNNI.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_QUANT_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -261,7 +261,17 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
     for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = (_mm512_reduce_add_ps(f[r][j]) - corr[r][j]) * xs[r];
 }
 
-#else  // TM_QUANT_AVX2: the fp32 path's row kernels, 8 lanes
+#else  // TM_QUANT_AVX2: the fp32 path's row kernels, 16-bit fixed point x against integer weights
+//
+// Widening every weight to float (a sign extension, a conversion, an FMA per 8) costs one AVX2 core more
+// instructions than it streams bytes from memory, so here each row of x becomes 16-bit fixed point,
+// x ~ s * v with s = amax / 32767 and |v| <= 32767 (rounded half to even; within amax * 2^-16 of x), and the
+// weights are widened only to int16: vpmaddwd multiplies 16 of them by v and adds pairs into int32, exactly.
+
+constexpr int64_t kFixedChunk = 4096;  // k per int32 run: 256 vpmaddwd sums of at most 2 * 128 * 32767 each
+// weight rows ahead that a block prefetches, at its own k: rows of a few KiB end before the hardware prefetchers
+// run ahead, and one block ahead was too close (2 KiB rows of a 1.1B model: 11-12 GB/s a core, 13-14 at 16 rows)
+constexpr int64_t kPrefetchRows = 16;
 
 // the sum of v's 8 lanes
 inline float hsum8(__m256 v) {
@@ -270,110 +280,162 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// 8 int8 weights from p as fp32
-inline __m256 widen8_s8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// MR rows of fp32 x (ldx apart, zero from K to Kp, Kp a multiple of 16) as fixed point: v [MR][Kp], s [MR]
+template <int MR>
+void fixed_rows(const float* x, int64_t ldx, int64_t Kp, int16_t* v, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int r = 0; r < MR; ++r) {
+    const float* xr = x + r * ldx;
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < Kp; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    s[r] = std::max(_mm_cvtss_f32(m), 1e-30f) / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(1.0f / s[r]);
+    const __m256i lim = _mm256_set1_epi32(32767), nlim = _mm256_set1_epi32(-32767);
+    for (int64_t k = 0; k < Kp; k += 16) {
+      __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k), inv));
+      __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k + 8), inv));
+      a = _mm256_min_epi32(_mm256_max_epi32(a, nlim), lim);
+      b = _mm256_min_epi32(_mm256_max_epi32(b, nlim), lim);
+      // packs works within 128-bit lanes: a0-3 b0-3 a4-7 b4-7, put back in order
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + r * Kp + k), p);
+    }
+  }
 }
 
-// MR rows of x (fp32, ldx >= K) against NR weight rows from n: two accumulators per pair, so that 2 * MR * NR
-// FMA chains are in flight (one chain per output would leave a lone row bound by the FMA's latency). The next
-// NR rows are prefetched at the same k: rows of a few KiB end before the hardware prefetchers run ahead.
+// MR fixed-point rows (v [MR][Kp], scales xs) against NR int8 weight rows from n, prefetching kPrefetchRows ahead
 template <int MR, int NR>
-void int8_block(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t K, int64_t n, float* y,
-                int64_t ldy) {
-  __m256 a[MR][NR], b[MR][NR];
+void int8_block(const int16_t* v, int64_t Kp, const float* xs, const int8_t* w, const float* scale, int64_t K,
+                int64_t n, float* y, int64_t ldy) {
+  __m256 f[MR][NR];
+  #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) a[r][j] = _mm256_setzero_ps(), b[r][j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    for (int j = 0; j < NR; ++j) {
-      const int8_t* wj = w + (n + j) * K + k;
-      _mm_prefetch(reinterpret_cast<const char*>(wj + NR * K), _MM_HINT_T0);
-      const __m256 w0 = widen8_s8(wj), w1 = widen8_s8(wj + 8);
-      for (int r = 0; r < MR; ++r) {
-        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w0, a[r][j]);
-        b[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k + 8), w1, b[r][j]);
+    #pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) f[r][j] = _mm256_setzero_ps();
+  const int64_t K16 = K / 16 * 16;
+  for (int64_t c = 0; c < K16; c += kFixedChunk) {
+    __m256i a[MR][NR];
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+      #pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) a[r][j] = _mm256_setzero_si256();
+    const int64_t c_end = std::min(K16, c + kFixedChunk);
+    for (int64_t k = c; k < c_end; k += 16) {
+      #pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) {
+        const int8_t* wj = w + (n + j) * K + k;
+        _mm_prefetch(reinterpret_cast<const char*>(wj + kPrefetchRows * K), _MM_HINT_T0);
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
+        #pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + r * Kp + k));
+          a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(wv, xv));
+        }
       }
     }
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+      #pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) f[r][j] = _mm256_add_ps(f[r][j], _mm256_cvtepi32_ps(a[r][j]));
   }
-  for (; k + 8 <= K; k += 8) {
-    for (int j = 0; j < NR; ++j) {
-      const __m256 w0 = widen8_s8(w + (n + j) * K + k);
-      for (int r = 0; r < MR; ++r) a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w0, a[r][j]);
-    }
-  }
+  #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      float t = hsum8(_mm256_add_ps(a[r][j], b[r][j]));
-      for (int64_t kk = k; kk < K; ++kk) t += x[r * ldx + kk] * static_cast<float>(w[(n + j) * K + kk]);
-      y[r * ldy + n + j] = t * scale[n + j];
+      float t = hsum8(f[r][j]);
+      for (int64_t k = K16; k < K; ++k) t += static_cast<float>(v[r * Kp + k] * w[(n + j) * K + k]);
+      y[r * ldy + n + j] = t * xs[r] * scale[n + j];
     }
 }
 
 template <int MR>
 void int8_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t K, int64_t n0,
                int64_t n1, float* y, int64_t ldy) {
-  constexpr int NR = MR == 1 ? 4 : (MR == 4 ? 1 : 2);
+  constexpr int NR = MR == 1 ? 8 : 2;
+  const int64_t Kp = round_up(K, 16);
+  std::vector<int16_t> v(MR * Kp);
+  float xs[MR];
+  fixed_rows<MR>(x, ldx, Kp, v.data(), xs);
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) int8_block<MR, NR>(x, ldx, w, scale, K, n, y, ldy);
-  for (; n < n1; ++n) int8_block<MR, 1>(x, ldx, w, scale, K, n, y, ldy);
+  for (; n + NR <= n1; n += NR) int8_block<MR, NR>(v.data(), Kp, xs, w, scale, K, n, y, ldy);
+  for (; n < n1; ++n) int8_block<MR, 1>(v.data(), Kp, xs, w, scale, K, n, y, ldy);
 }
 
-// int4 (the packed layout) against MR rows of x (fp32, zero past K, ldx >= Kp), NR weight rows from n; xsum as
-// int4_rows's (AVX-512) above: the zero point comes off once per group
+// MR fixed-point rows (v [MR][Kp], Kp = K padded to 32, scales xs, each group's sums of v in vg [MR][G])
+// against NR int4 rows (the packed layout) from n: per group, the integer products of the unsigned nibbles,
+// scaled, less the zero point times the group's sum of v (once per group, as int4_rows on AVX-512).
 template <int MR, int NR>
-void int4_block(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale,
-                const float* zero, int64_t K, int64_t group, int64_t n, float* y, int64_t ldy) {
-  const int64_t Kp = round_up(K, 32), G = (K + group - 1) / group, row = Kp / 2;
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  __m256 acc[MR][NR];
+void int4_block(const int16_t* v, int64_t Kp, const float* xs, const int32_t* vg, const uint8_t* w,
+                const float* scale, const float* zero, int64_t K, int64_t group, int64_t n, float* y, int64_t ldy) {
+  const int64_t G = (K + group - 1) / group, row = Kp / 2;
+  const __m256i nib = _mm256_set1_epi16(0x0F);
+  __m256 f[MR][NR];
   float corr[MR][NR];
+  #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps(), corr[r][j] = 0.0f;
+    #pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) f[r][j] = _mm256_setzero_ps(), corr[r][j] = 0.0f;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k_end = std::min(Kp, (g + 1) * group);
-    __m256 ga[MR][NR], gb[MR][NR];
+    __m256i a[MR][NR];
+    #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps(), gb[r][j] = _mm256_setzero_ps();
+      #pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) a[r][j] = _mm256_setzero_si256();
     for (int64_t k = g * group; k < k_end; k += 32) {
+      #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const uint8_t* wj = w + (n + j) * row + k / 2;
-        _mm_prefetch(reinterpret_cast<const char*>(wj + NR * row), _MM_HINT_T0);
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wj));
-        const __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        _mm_prefetch(reinterpret_cast<const char*>(wj + kPrefetchRows * row), _MM_HINT_T0);
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
+        const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_srli_epi16(b, 4);  // k .. k+15, k+16 .. k+31
+        #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          const float* xr = x + r * ldx + k;
-          ga[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, ga[r][j]);
-          gb[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, gb[r][j]);
-          ga[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, ga[r][j]);
-          gb[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, gb[r][j]);
+          const int16_t* vr = v + r * Kp + k;
+          const __m256i d = _mm256_add_epi32(
+              _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr))),
+              _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16))));
+          a[r][j] = _mm256_add_epi32(a[r][j], d);
         }
       }
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      const float s = scale[(n + j) * G + g], sz = s * (zero ? zero[(n + j) * G + g] : 8.0f);
-      const __m256 sv = _mm256_set1_ps(s);
+      const float sc = scale[(n + j) * G + g], sz = sc * (zero ? zero[(n + j) * G + g] : 8.0f);
+      const __m256 sv = _mm256_set1_ps(sc);
+      #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        acc[r][j] = _mm256_fmadd_ps(_mm256_add_ps(ga[r][j], gb[r][j]), sv, acc[r][j]);
-        corr[r][j] += sz * xsum[r * G + g];
+        f[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][j]), sv, f[r][j]);
+        corr[r][j] += sz * static_cast<float>(vg[r * G + g]);
       }
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = hsum8(acc[r][j]) - corr[r][j];
+    #pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = (hsum8(f[r][j]) - corr[r][j]) * xs[r];
 }
 
+// the AVX-512 int4_rows' signature; xsum (x's per-group sums in fp32) is not read: the fixed-point rows' own
+// integer sums take its place
 template <int MR>
-void int4_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale,
+void int4_rows(const float* x, int64_t ldx, const float*, const uint8_t* w, const float* scale,
                const float* zero, int64_t K, int64_t group, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int NR = MR == 1 ? 2 : 1;
+  constexpr int NR = MR == 1 ? 4 : 2;
+  const int64_t Kp = round_up(K, 32), G = (K + group - 1) / group;
+  std::vector<int16_t> v(MR * Kp);
+  std::vector<int32_t> vg(MR * G, 0);
+  float xs[MR];
+  fixed_rows<MR>(x, ldx, Kp, v.data(), xs);
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+    for (int64_t k = 0; k < K; ++k) vg[r * G + k / group] += v[r * Kp + k];
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) int4_block<MR, NR>(x, ldx, xsum, w, scale, zero, K, group, n, y, ldy);
-  for (; n < n1; ++n) int4_block<MR, 1>(x, ldx, xsum, w, scale, zero, K, group, n, y, ldy);
+  for (; n + NR <= n1; n += NR) int4_block<MR, NR>(v.data(), Kp, xs, vg.data(), w, scale, zero, K, group, n, y, ldy);
+  for (; n < n1; ++n) int4_block<MR, 1>(v.data(), Kp, xs, vg.data(), w, scale, zero, K, group, n, y, ldy);
 }
 
 #endif  // TM_QUANT_AVX512
@@ -531,17 +593,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   }
 #endif
   auto xf = padded_fp32(x, Kp);
+#ifdef TM_QUANT_AVX512
   // each row's sum over each group (the padding is zero)
   auto xsum = at::zeros({M, G * group}, xf.options());
   xsum.narrow(1, 0, std::min(Kp, G * group)).copy_(xf.narrow(1, 0, std::min(Kp, G * group)));
   xsum = xsum.view({M, G, group}).sum(2).contiguous();
+  const float* xs = xsum.data_ptr<float>();
+#else  // the fixed-point rows' own sums take its place
+  const float* xs = nullptr;
+#endif
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
-  const float* xs = xsum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
     const float* xm = xp + m * Kp;
-    const float* xsm = xs + m * G;
+    const float* xsm = xs ? xs + m * G : nullptr;
     float* ym = yp + m * N;
     switch (mr) {
       case 1: int4_rows<1>(xm, Kp, xsm, wp, sp, zp, K, group, n0, n1, ym, N); break;
