@@ -6,7 +6,7 @@ A `QuantizedLinearMethod` registers the checkpoint format's parameters (`formats
 loading into the layout tokenmill's kernels read (`reference.py`) and drops them, so no float copy of
 a weight stays in memory. `apply` runs the C++ kernels (kernels/cpu/linear/quantized.cpp), which
 dequantize in registers, where they are built and the CPU runs them (`quantized_kernels`: every scheme with
-AVX-512 BW and VNNI; W8A16 and W4A16 with AVX2 and FMA, in fp32); elsewhere, and for W8A16/W4A16 batches
+AVX-512 BW and VNNI; W8A16 and W4A16 with AVX2 and FMA, x as 16-bit fixed point); elsewhere, and for W8A16/W4A16 batches
 over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
 then a float matmul). W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
 oneDNN-packed copy of the weight (the same integer products; AMX on CPUs that have it). The lm_head
