@@ -100,15 +100,20 @@ def test_w8a8(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("m", range(1, 8))
 def test_every_row_count(m: int) -> None:
     gen = torch.Generator().manual_seed(m)
-    w, x = torch.randn(6, 100, generator=gen), torch.randn(m, 100, generator=gen)
+    _check_int8_and_int4(torch.randn(m, 100, generator=gen), torch.randn(6, 100, generator=gen), 32)
+
+
+def _check_int8_and_int4(x: torch.Tensor, w: torch.Tensor, group: int) -> None:
+    """int8_linear, and int4_linear with zero points in groups of `group`, of fp32 x by w rounded to nearest."""
+    k = w.shape[1]
     q, scale = ref.rtn_int8(w)
     w8 = ref.dequantize_int8(q, scale)
     _close(OPS.int8_linear(x, q, scale, ref.weight_sum(q), None), ref.linear_ref(x, w8, None), torch.float32,
-           x.abs() @ w.abs().T, x, w8)
-    q4, s4, z4 = ref.rtn_int4(w, 32, True)
-    w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 100, 32)
-    _close(OPS.int4_linear(x, ref.pack_int4(q4), s4, z4, 100, 32, None), ref.linear_ref(x, w4, None), torch.float32,
-           x.abs() @ w4.abs().T, x, w4)
+           x.abs() @ w8.abs().T, x, w8)
+    q4, s4, z4 = ref.rtn_int4(w, group, True)
+    w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, k, group)
+    _close(OPS.int4_linear(x, ref.pack_int4(q4), s4, z4, k, group, None), ref.linear_ref(x, w4, None),
+           torch.float32, x.abs() @ w4.abs().T, x, w4)
 
 
 @needs_vnni
@@ -177,12 +182,4 @@ def test_w8a8_ops_say_they_are_missing() -> None:
 def test_int8_and_int4_on_a_decoder_layer_shape() -> None:
     """One row against a 1.1B Llama's MLP shape: many NR-row blocks and the prefetch past them."""
     gen = torch.Generator().manual_seed(7)
-    w, x = torch.randn(5632, 2048, generator=gen) * 0.02, torch.randn(1, 2048, generator=gen)
-    q, scale = ref.rtn_int8(w)
-    w8 = ref.dequantize_int8(q, scale)
-    _close(OPS.int8_linear(x, q, scale, ref.weight_sum(q), None), ref.linear_ref(x, w8, None), torch.float32,
-           x.abs() @ w8.abs().T, x, w8)
-    q4, s4, z4 = ref.rtn_int4(w, 128, True)
-    w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, 2048, 128)
-    _close(OPS.int4_linear(x, ref.pack_int4(q4), s4, z4, 2048, 128, None), ref.linear_ref(x, w4, None),
-           torch.float32, x.abs() @ w4.abs().T, x, w4)
+    _check_int8_and_int4(torch.randn(1, 2048, generator=gen), torch.randn(5632, 2048, generator=gen) * 0.02, 128)

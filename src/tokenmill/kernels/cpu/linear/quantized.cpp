@@ -736,20 +736,6 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scale, const c1
 
 bool has_quantized_linear() { return true; }
 
-#else  // TM_QUANT_AVX2: W8A8 keeps its torch reference path
-
-[[noreturn]] void unavailable() { TORCH_CHECK(false, "W8A8 linear kernels: built without AVX512-BW/VNNI"); }
-
-at::Tensor w8a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                       const c10::optional<at::Tensor>&) {
-  unavailable();
-}
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor&) { unavailable(); }
-at::Tensor scale_rows(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType) {
-  unavailable();
-}
-bool has_quantized_linear() { return false; }
-
 #endif  // TM_QUANT_AVX512
 
 bool has_weight_only_linear() { return true; }
@@ -770,16 +756,27 @@ at::Tensor int4_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
                        const c10::optional<at::Tensor>&) {
   unavailable();
 }
+bool has_weight_only_linear() { return false; }
+
+}  // namespace
+
+#endif
+
+#ifndef TM_QUANT_AVX512  // W8A8 keeps its torch reference path
+
+namespace {
+
+[[noreturn]] void w8a8_unavailable() { TORCH_CHECK(false, "W8A8 linear kernels: built without AVX512-BW/VNNI"); }
+
 at::Tensor w8a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                        const c10::optional<at::Tensor>&) {
-  unavailable();
+  w8a8_unavailable();
 }
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor&) { unavailable(); }
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor&) { w8a8_unavailable(); }
 at::Tensor scale_rows(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType) {
-  unavailable();
+  w8a8_unavailable();
 }
 bool has_quantized_linear() { return false; }
-bool has_weight_only_linear() { return false; }
 
 }  // namespace
 
