@@ -5,9 +5,9 @@ GPTQ and AWQ checkpoints or quantized at load by round-to-nearest (`quantization
 A `QuantizedLinearMethod` registers the checkpoint format's parameters (`formats.py`), turns them after
 loading into the layout tokenmill's kernels read (`reference.py`) and drops them, so no float copy of
 a weight stays in memory. `apply` runs the C++ kernels (kernels/cpu/linear/quantized.cpp), which
-dequantize in registers, where they are built and the CPU runs them (`quantized_kernels`: every scheme with
-AVX-512 BW and VNNI; W8A16 and W4A16 with AVX2 and FMA, x as 16-bit fixed point); elsewhere, and for W8A16/W4A16 batches
-over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
+dequantize in registers, where they are built and the CPU runs them (`quantized_kernels`: every scheme
+with AVX-512 BW and VNNI; W8A16 and W4A16 with AVX2 and FMA, x as 16-bit fixed point); elsewhere, and for
+W8A16/W4A16 batches over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
 then a float matmul). W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
 oneDNN-packed copy of the weight (the same integer products; AMX on CPUs that have it). The lm_head
 stays a float layer (`lm_head_method`), as the formats leave it.
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the kernels take; larger batches are compute-bound matmuls
 W8A8_VNNI_MAX_ROWS = 16  # W8A8: rows the VNNI kernel takes; oneDNN's int8 matmul (AMX where there is one) beyond
 REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")  # every kernel: W8A8 and bf16 activations' VNNI products
-WEIGHT_ONLY_CPU_FLAGS = ("avx2", "fma")  # int8 and int4 (W8A16/W4A16) in fp32, 8 lanes
+WEIGHT_ONLY_CPU_FLAGS = ("avx2", "fma")  # int8 and int4 (W8A16/W4A16), x as 16-bit fixed point
 
 
 def quantized_kernels(ops: Any, scheme: str) -> Any:
