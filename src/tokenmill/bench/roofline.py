@@ -23,7 +23,6 @@ server's /metrics reuse them without measuring again.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from tokenmill.bench.results import ResultSink, emit, machine
 from tokenmill.config import default_num_threads
 from tokenmill.cpu_features import isa_flags
 from tokenmill.metrics.ceilings import (
+    CACHE_FILE,
     CEILING_FIELDS,
     Ceilings,
     cache_key,
@@ -43,6 +43,7 @@ from tokenmill.metrics.ceilings import (
     lookup,
     read_cache,
 )
+from tokenmill.user_cache import write_json
 
 # (field, roofline_peak kind) of each peak loop
 PEAK_LOOPS = (("peak_fp32_avx512_gflops", "avx512_fp32"), ("peak_fp32_avx2_gflops", "avx2_fp32"),
@@ -70,15 +71,6 @@ def add_ceiling_args(p: argparse.ArgumentParser) -> None:
                    help="peak GFLOP/s of the dtype (else measured/cached)")
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="never measure the roofline; MBU/MFU only from --bandwidth/--flops or the cache")
-
-
-def _write_cache(data: dict[str, Any]) -> None:
-    path = cache_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def _sync(device: str) -> None:
@@ -176,7 +168,7 @@ def cached_measure(threads: int, gib: float = 2.0, n: int = 2048, reps: int = 7,
     cache[cache_key(threads, device)] = {**figures, "gib": gib, "n": n, "reps": reps, "loadavg": os.getloadavg()[0],
                                          "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
-        _write_cache(cache)
+        write_json(CACHE_FILE, cache, indent=2)
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
     return figures, False

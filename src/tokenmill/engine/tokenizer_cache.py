@@ -16,10 +16,10 @@ import contextlib
 import importlib
 import json
 import os
-import tempfile
+import stat
 from typing import Any
 
-from tokenmill.user_cache import cache_dir
+from tokenmill.user_cache import read_json, write_json
 
 CACHE_FILE = "tokenizer_classes.json"
 MAX_ENTRIES = 64
@@ -49,30 +49,17 @@ def checkpoint_key(path: str) -> str | None:
             if name.endswith(_WEIGHT_SUFFIXES):
                 continue
             st = os.stat(os.path.join(real, name))
-            if os.path.isfile(os.path.join(real, name)):
+            if stat.S_ISREG(st.st_mode):
                 files.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
     except OSError:
         return None
     return json.dumps([real, version, files])
 
 
-def _cache_path() -> str:
-    return os.path.join(cache_dir(), CACHE_FILE)
-
-
-def _read() -> dict[str, Any]:
-    try:
-        with open(_cache_path(), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def cached_class(path: str) -> type | None:
     """The class remembered for this checkpoint as it is now, imported; None if there is none."""
     key = checkpoint_key(path)
-    entry = _read().get(key) if key is not None else None
+    entry = read_json(CACHE_FILE).get(key) if key is not None else None
     if not isinstance(entry, dict):
         return None
     module, name = entry.get("module"), entry.get("name")
@@ -99,27 +86,14 @@ def remember(path: str, tokenizer: Any) -> bool:
         return False
     if not same:
         return False
-    data = _read()
+    data = read_json(CACHE_FILE)
     data.pop(key, None)
     data[key] = {"module": cls.__module__, "name": cls.__name__}
     while len(data) > MAX_ENTRIES:  # the oldest entries (dicts keep insertion order) go first
         data.pop(next(iter(data)))
-    _write(data)
-    return True
-
-
-def _write(data: dict[str, Any]) -> None:
-    path = _cache_path()
     with contextlib.suppress(OSError):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tokenizer_classes.")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-        except OSError:
-            os.unlink(tmp)
-            raise
+        write_json(CACHE_FILE, data)
+    return True
 
 
 def same_tokenizer(a: Any, b: Any) -> bool:

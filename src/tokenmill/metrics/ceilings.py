@@ -9,13 +9,11 @@ register-blocked AVX-512 FMA / VDPBF16PS / AMX TDPBF16PS loops and torch's matmu
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.user_cache import cache_dir
+from tokenmill.user_cache import cache_file, read_json
 
 # the figures a cache entry must have to be used (older entries, measured with torch alone, lack them)
 CEILING_FIELDS = ("mem_read_GBps", "peak_bf16_gflops", "peak_fp32_gflops")
@@ -31,18 +29,16 @@ def cpu_name() -> str:
     return cpu
 
 
+CACHE_FILE = "roofline.json"
+
+
 def cache_path() -> str:
     """roofline.json in the user cache directory (user_cache.cache_dir)."""
-    return os.path.join(cache_dir(), "roofline.json")
+    return cache_file(CACHE_FILE)
 
 
 def read_cache() -> dict[str, Any]:
-    try:
-        with open(cache_path(), encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_json(CACHE_FILE)
 
 
 def cache_key(threads: int, device: str = "cpu") -> str:
