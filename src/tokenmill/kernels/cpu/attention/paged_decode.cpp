@@ -17,6 +17,9 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__)
+#include "avx2.h"
+#endif
 
 #include "avx512.h"
 #include "common.h"
@@ -165,11 +168,7 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-inline float hsum1(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using tokenmill::hsum8;
 
 // float32 caches with a head size that is a multiple of 64, on AVX2: decode<float, DIM>'s blocks, online softmax
 // (softmax_block) and order of keys, with the K and V rows read in place, each key scored against four heads of
@@ -223,7 +222,7 @@ void decode_f32_avx2(const float* q, int64_t q_seq_stride, int64_t q_head_stride
               for (int64_t v = 0; v < NV; ++v) {
                 a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * DIM + 8 * v), _mm256_loadu_ps(k + 8 * v), a);
               }
-              sg[g * bs + j] = hsum1(a);
+              sg[g * bs + j] = hsum8(a);
             }
           }
         }

@@ -27,14 +27,10 @@ constexpr int64_t kMaxRows = 64;
 constexpr int64_t kLayerRows = 16;
 
 using tokenmill::bf16_bits_to_f32;
+using tokenmill::hsum8;
 using tokenmill::widen8_bf16;
 using tokenmill::with_rows;
 
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 
 // how far ahead of the loads the weight stream is prefetched, in bf16 elements (1 KiB): from DRAM, one thread
 // reads the weights at ~1.3x the rate without it (bench/README.md)
@@ -61,7 +57,7 @@ void row(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) 
     for (int m = 0; m < M; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
   }
   for (int m = 0; m < M; ++m) {
-    float s = hsum(_mm256_add_ps(a0[m], a1[m]));
+    float s = hsum8(_mm256_add_ps(a0[m], a1[m]));
     for (int64_t j = k; j < K; ++j) s += bf16_bits_to_f32(w[j]) * x[m * ldx + j];
     out[m] = s;
   }
@@ -80,7 +76,7 @@ void row<1>(const float* x, int64_t, const uint16_t* w, int64_t K, float* out) {
     a3 = _mm256_fmadd_ps(widen8_bf16(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
   }
   for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(widen8_bf16(w + k), _mm256_loadu_ps(x + k), a0);
-  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   for (; k < K; ++k) s += bf16_bits_to_f32(w[k]) * x[k];
   out[0] = s;
 }
@@ -110,7 +106,7 @@ void row_pair(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* 
     }
   }
   for (int m = 0; m < M; ++m) {
-    float s = hsum(a[m]), t = hsum(b[m]);
+    float s = hsum8(a[m]), t = hsum8(b[m]);
     for (int64_t j = k; j < K; ++j) {
       s += bf16_bits_to_f32(w[j]) * x[m * ldx + j];
       t += bf16_bits_to_f32(v[j]) * x[m * ldx + j];

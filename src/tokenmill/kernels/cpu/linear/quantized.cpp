@@ -34,6 +34,8 @@
 #if defined(TM_QUANT_AVX512) || defined(TM_QUANT_AVX2)
 #include <immintrin.h>
 
+#include "avx2.h"
+
 namespace {
 
 constexpr int64_t kRowTile = 4;  // rows of x sharing one pass over the weight
@@ -273,12 +275,7 @@ constexpr int64_t kFixedChunk = 4096;  // k per int32 run: 256 vpmaddwd sums of 
 // run ahead, and one block ahead was too close (2 KiB rows of a 1.1B model: 11-12 GB/s a core, 13-14 at 16 rows)
 constexpr int64_t kPrefetchRows = 16;
 
-// the sum of v's 8 lanes
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using tokenmill::hsum8;
 
 // MR rows of fp32 x (ldx apart, zero from K to Kp, Kp a multiple of 16) as fixed point: v [MR][Kp], s [MR]
 template <int MR>
