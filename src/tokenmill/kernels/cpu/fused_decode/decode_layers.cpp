@@ -275,9 +275,24 @@ at::Tensor routed_experts_row(const Ops& op, const at::Tensor& x, const at::Tens
   return out;
 }
 
+// rotary on q and k in place in qkv's t rows (q, then k, then v: qkv_row = q_size + 2 * kv_size elements a row), as
+// the layer's rotary_ op does before its KV store. E: uint16_t (bf16) or float.
+template <typename E>
+void rotate_qk(E* q, const E* cos, const E* sin, const int64_t* pos, int64_t t, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t q_size = num_heads * head_dim, qkv_row = q_size + 2 * num_kv_heads * head_dim;
+  if constexpr (std::is_same_v<E, float>) {
+    tokenmill::rotary_rows_f32(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+    tokenmill::rotary_rows_f32(q + q_size, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+  } else {
+    tokenmill::rotary_rows(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+    tokenmill::rotary_rows(q + q_size, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
+  }
+}
+
 // the attention block of a layer over an unquantized cache, on raw pointers (decode_layers checked the tensors):
-// rotary on q and k in qkv's rows (q, then k, then v, qkv_row = q_size + 2 * kv_size elements a row), k and v
-// stored at their slots, decode attention into o [t, num_heads * head_dim]. E: uint16_t (bf16) or float.
+// rotary on q and k in qkv's rows (rotate_qk), k and v stored at their slots, decode attention into
+// o [t, num_heads * head_dim]. E: uint16_t (bf16) or float.
 template <typename E>
 void attention_rows(E* q, const E* cos, const E* sin, const at::Tensor& cache, const int64_t* pos,
                     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, E* o,
@@ -292,13 +307,7 @@ void attention_rows(E* q, const E* cos, const E* sin, const at::Tensor& cache, c
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const auto sc = static_cast<float>(scale);
-  if constexpr (std::is_same_v<E, float>) {
-    tokenmill::rotary_rows_f32(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
-    tokenmill::rotary_rows_f32(k, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
-  } else {
-    tokenmill::rotary_rows(q, t, num_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
-    tokenmill::rotary_rows(k, t, num_kv_heads, head_dim, qkv_row, head_dim, pos, cos, sin);
-  }
+  rotate_qk(q, cos, sin, pos, t, num_heads, num_kv_heads, head_dim);
   constexpr int64_t bytes = sizeof(E);
   tokenmill::write_kv_rows(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), qkv_row * bytes,
                            qkv_row * bytes, reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache),
@@ -400,8 +409,13 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& positions, co
                             slot_mapping, block_tables, seq_lens, o.data_ptr<float>(), t, num_heads, num_kv_heads,
                             head_dim, scale, window);
     } else if (quantized_kv) {
-      // the quantized cache's store and attention, as CpuBackend.write_kv / forward call them with the layer's
-      // KVScales: q, k, v are the same strided views of qkv that the layer's split gives
+      // rotary as the layer applies it, then the quantized cache's store and attention, as CpuBackend.write_kv /
+      // forward call them with the layer's KVScales: q, k, v are the same strided views of qkv that the layer's
+      // split gives
+      rotate_qk(reinterpret_cast<uint16_t*>(qkv.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>()), pos, t, num_heads, num_kv_heads,
+                head_dim);
       const at::Tensor k_view = qkv.as_strided({t, num_kv_heads, head_dim}, {qkv_row, head_dim, 1}, q_size);
       const at::Tensor v_view = qkv.as_strided({t, num_kv_heads, head_dim}, {qkv_row, head_dim, 1}, q_size + kv_size);
       const at::Tensor q_view = qkv.as_strided({t, num_heads, head_dim}, {qkv_row, head_dim, 1}, 0);
