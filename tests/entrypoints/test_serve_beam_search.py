@@ -49,10 +49,12 @@ def test_beam_search_refuses_what_it_cannot_do(server: RemoteServer, extra: dict
 
 def test_searches_whose_clients_leave_free_every_block(server: RemoteServer) -> None:
     async def impatient(http: httpx.AsyncClient, i: int) -> None:
-        body = {"model": NAME, "prompt": PROMPTS[i % 2], "max_tokens": 300, "n": 4, "use_beam_search": True,
+        # nearly the tiny model's whole length (512 positions) in 8 beams, four searches beside each other: 480
+        # steps of 32 rows, which outlast these timeouts on a fast CPU too
+        body = {"model": NAME, "prompt": PROMPTS[i % 2], "max_tokens": 480, "n": 8, "use_beam_search": True,
                 "ignore_eos": True}
-        with pytest.raises(httpx.ReadTimeout):  # 300 steps of 4 beams take far longer
-            await http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5 + 0.2 * i))
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3 + 0.1 * i))
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers) as http:
