@@ -18,6 +18,7 @@ from tokenmill.layers.linear import (
     QKVLinear,
     UnquantizedLinearMethod,
     gemv_layout_ok,
+    linear_gelu,
     packed_linear,
     packing_available,
 )
@@ -51,6 +52,45 @@ def test_method_packs_only_bf16_cpu() -> None:
     x = torch.randn(3, 8)
     torch.testing.assert_close(plain(x), fp32(x), rtol=0, atol=0)
     torch.testing.assert_close(packed(x.to(torch.bfloat16)), bf16(x.to(torch.bfloat16)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_bf16_products_round_rows_and_add_a_float32_bias(rows: int) -> None:
+    torch.manual_seed(rows)
+    ref = nn.Linear(96, 200)
+    method = UnquantizedLinearMethod(weight_dtype=torch.bfloat16, bf16_products=True)
+    layer = Linear(96, 200, True, torch.float32, method)
+    layer.weight_loader(layer.weight, ref.weight.detach())
+    layer.weight_loader(layer.bias, ref.bias.detach())
+    method.process_weights_after_loading(layer)
+    assert layer.packed and layer.weight.dtype == torch.bfloat16 and layer.bias is not None
+    assert layer.bias.dtype == torch.float32
+    x = torch.randn(rows, 96)
+    want = F.linear(x.to(torch.bfloat16), ref.weight.detach().to(torch.bfloat16)).float() + ref.bias.detach()
+    for rows_in in (x, x.to(torch.bfloat16)):  # float32 rows are rounded to bf16 first; bf16 ones go as they are
+        got = layer(rows_in)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("rows", [3, 37])
+def test_linear_gelu_fused_into_onednn_rounds_once(approximate: str, rows: int) -> None:
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 200).to(torch.bfloat16)
+    method = UnquantizedLinearMethod()
+    layer = Linear(96, 200, True, torch.bfloat16, method)
+    layer.weight_loader(layer.weight, lin.weight.detach())
+    assert layer.bias is not None
+    layer.weight_loader(layer.bias, lin.bias.detach())
+    method.process_weights_after_loading(layer)
+    assert layer.packed
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    # the float32 result of the same bf16 values, through the GELU, then rounded once to bf16
+    exact = F.gelu(F.linear(x.float(), lin.weight.detach().float(), lin.bias.detach().float()), approximate=approximate)
+    got = linear_gelu(layer, x, approximate)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-5)
 
 
 def test_fused_layers_load_their_shards_and_report_the_missing() -> None:

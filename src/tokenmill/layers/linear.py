@@ -291,11 +291,23 @@ def in_onednn_rows(product: Callable[[torch.Tensor], torch.Tensor], rows: torch.
     return product(F.pad(rows, (0, 0, 0, padded - m)))[:m]
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] times a packed weight by oneDNN, in onednn_rows row counts."""
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post_op: str = "none",
+                  algorithm: str = "") -> torch.Tensor:
+    """x [..., K] times a packed weight by oneDNN, in onednn_rows row counts; `post_op` (with its `algorithm`,
+    e.g. "gelu" with "none" or "tanh") is applied to the float32 accumulator before the result's rounding."""
     rows = x.reshape(-1, x.shape[-1])
-    out = in_onednn_rows(lambda r: torch.ops.mkldnn._linear_pointwise(r, weight, bias, "none", [], ""), rows)
+    out = in_onednn_rows(lambda r: torch.ops.mkldnn._linear_pointwise(r, weight, bias, post_op, [], algorithm), rows)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear_gelu(layer: LinearBase, x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """F.gelu(layer(x), approximate=approximate), the GELU fused into oneDNN's product where the layer's weight
+    is oneDNN-packed, x is in its dtype and the decode GEMV does not take these rows."""
+    rows = x.numel() // layer.input_size
+    if (layer.packed and layer.tp_reduce is None and x.dtype == layer.weight.dtype
+            and (layer.gemv_ops is None or rows > layer.gemv_max_rows)):
+        return onednn_linear(x, layer.weight, layer.bias, "gelu", approximate)
+    return F.gelu(layer(x), approximate=approximate)
 
 
 WIDEN_TILE_BYTES = 2 << 20  # widened_linear's float32 weight tile
@@ -322,18 +334,24 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 class UnquantizedLinearMethod:
     """Float weights. `pack`: reorder bf16 CPU weights for oneDNN after loading (float32 ones where oneDNN has no
-    bf16 path); weights stored in another dtype than the model's (`weight_dtype`) are never packed. `ops`:
+    bf16 path); weights stored in another dtype than the model's (`weight_dtype`) are packed only for
+    `bf16_products`. `ops`:
     tokenmill's C++ CPU kernels, whose GEMV then takes as many rows as it is the faster kernel for, once a probe
     has checked that it reads this oneDNN's packed layout."""
 
     def __init__(self, ops: Any = None, pack: bool = True, weight_dtype: torch.dtype | None = None,
-                 widen_ops: Any = None) -> None:
+                 widen_ops: Any = None, bf16_products: bool = False) -> None:
         # weight_dtype bfloat16 under a float32 model (config.ModelConfig.linear_weight_dtype): the weights stay
         # bf16 and widen to float32 in the product. With widen_ops (C++, AVX2): stored in bf16_panels' layout and
         # multiplied by widen_ops.bf16p_gemm for every row count where the layer allows (panels_take); else as
         # loaded, by widen_ops.bf16w_gemv in the layers' GEMV slot up to its rows and widen_ops.bf16w_gemm beyond.
         # Without widen_ops: widened_linear, a tile at a time.
+        # bf16_products (with weight_dtype bfloat16): where oneDNN packs bf16 weights, they are packed and multiplied
+        # in bf16 (AMX where there is one): each row rounded to bf16 on the way in, the product widened to the
+        # layers' dtype and the bias added in it. Elsewhere (a GPU, an AVX2-only CPU) the widening path above.
         self.weight_dtype = weight_dtype
+        self.bf16_products = bf16_products and weight_dtype == torch.bfloat16
+        self.out_dtype: torch.dtype | None = None  # the layers' dtype, for bf16_products's results
         self.widen_gemv = WidenedGemv(widen_ops) if widen_ops is not None else None
         self.panel_gemm = PanelGemm(widen_ops) if widen_ops is not None else None
         self.pack = pack and packing_available()
@@ -346,6 +364,10 @@ class UnquantizedLinearMethod:
         self._gemv_reads: dict[tuple[int, int], bool] = {}
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        if self.bf16_products:
+            if self.out_dtype not in (None, dtype):
+                raise ValueError(f"bf16_products serves layers of one dtype ({self.out_dtype}), not also {dtype}")
+            self.out_dtype = dtype
         layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=self.weight_dtype or dtype),
                                     requires_grad=False)
         set_weight_loader(layer.weight, layer.weight_loader)
@@ -355,7 +377,11 @@ class UnquantizedLinearMethod:
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight
-        if self.weight_dtype is not None:  # never packed by oneDNN: widened in the product
+        if self.weight_dtype is not None:  # widened in the product, or (bf16_products) multiplied in bf16
+            if self.bf16_products and self.pack and weight.device.type == "cpu":
+                layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+                layer.packed = True
+                return
             if self.panel_gemm is not None and weight.device.type == "cpu" and panels_take(layer):
                 layer.weight = nn.Parameter(self.panel_gemm.panels(weight.detach()), requires_grad=False)
                 self.enable_gemv(layer, self.panel_gemm)
@@ -404,6 +430,10 @@ class UnquantizedLinearMethod:
                     y = widened_linear(rows, layer.weight, layer.bias)
                 return y.view(*x.shape[:-1], layer.output_size)
             return F.linear(x, layer.weight, layer.bias)
+        if self.bf16_products:
+            assert self.out_dtype is not None
+            y = onednn_linear(x.to(layer.weight.dtype), layer.weight, None).to(self.out_dtype)
+            return y if layer.bias is None else y.add_(layer.bias)
         return onednn_linear(x, layer.weight, layer.bias)
 
     @staticmethod
