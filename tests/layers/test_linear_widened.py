@@ -247,3 +247,30 @@ def test_model_cost_counts_the_bf16_experts(tmp_path_factory: pytest.TempPathFac
         read = moe.top_k if batch == 1 else moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
         bf16 = attention + dense + round(moe.num_sparse_layers * (read * expert + shared)) + vocab
         assert float32.decode_weight_bytes(batch) - cost.decode_weight_bytes(batch) == 2 * bf16
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_products_without_onednn_widen_the_weight(rows_dtype: torch.dtype) -> None:
+    # bf16_products where oneDNN has no bf16 path (pack=False stands in for an AVX2 CPU or a GPU): the weight stays
+    # unpacked and widens as a weight_dtype layer's does; bf16 rows (a BERT's attention output) widen first
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    b = torch.randn(37, generator=gen)
+    method = UnquantizedLinearMethod(pack=False, weight_dtype=torch.bfloat16, bf16_products=True)
+    layer = Linear(64, 37, True, torch.float32, method)
+    layer.weight_loader(layer.weight, w)
+    assert layer.bias is not None
+    layer.weight_loader(layer.bias, b)
+    method.process_weights_after_loading(layer)
+    assert not layer.packed and layer.weight.dtype == torch.bfloat16
+    x = torch.randn(9, 64, generator=gen).to(rows_dtype)
+    got = layer(x)
+    assert got.dtype == torch.float32
+    close(got, F.linear(x.float(), w.float(), b))
+
+
+def test_one_bf16_products_method_serves_one_dtype() -> None:
+    method = UnquantizedLinearMethod(pack=False, weight_dtype=torch.bfloat16, bf16_products=True)
+    Linear(8, 8, True, torch.float32, method)
+    with pytest.raises(ValueError, match="one dtype"):
+        Linear(8, 8, True, torch.float16, method)

@@ -60,6 +60,17 @@ def test_tiny_bert_equals_transformers(tmp_path: Any, tokenizer_dir: str, poolin
     assert (got.norm(dim=-1) - 1).abs().max() < 1e-5 if normalize else True
 
 
+def test_tiny_bert_in_bfloat16_stays_near_float32(tmp_path: Any, tokenizer_dir: str) -> None:
+    # bf16 under a float32 residual stream on any CPU (oneDNN's bf16 product where it has one, else the widening
+    # path), through padded batches
+    model_dir = build_bert(str(tmp_path), tokenizer_dir, "MEAN", True, seed=2)
+    prompts = random_prompts(7, 1, 90, seed=4)
+    llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=200)
+    got = embed(llm, [{"prompt_token_ids": p} for p in prompts])
+    want = hf_pooled(model_dir, prompts, "MEAN", True)
+    assert F.cosine_similarity(got, want).min() >= 0.999
+
+
 def test_checkpoint_missing_a_tensor_is_named(tmp_path: Any, bert_dir: str) -> None:
     from safetensors.torch import load_file, save_file
 

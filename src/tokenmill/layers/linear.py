@@ -421,6 +421,9 @@ class UnquantizedLinearMethod:
             y: torch.Tensor = layer.gemv_ops.packed_gemv(rows, layer.weight, layer.bias)
             return y.view(*x.shape[:-1], layer.output_size)
         if not layer.packed:
+            if self.bf16_products and x.dtype != self.out_dtype:  # unpacked (no oneDNN bf16 here): widened
+                assert self.out_dtype is not None
+                x = x.to(self.out_dtype)
             if layer.weight.dtype != x.dtype:  # bf16-stored weights under a float32 model, past the GEMV's rows
                 rows = x.reshape(-1, layer.input_size)
                 if isinstance(layer.gemv_ops, WidenedGemv):  # the C++ product that widens as it packs
