@@ -427,9 +427,12 @@ void int4_rows(const float* x, int64_t ldx, const float*, const uint8_t* w, cons
   std::vector<int32_t> vg(MR * G, 0);
   float xs[MR];
   fixed_rows<MR>(x, ldx, Kp, v.data(), xs);
-  #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
-    for (int64_t k = 0; k < K; ++k) vg[r * G + k / group] += v[r * Kp + k];
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * group, k_end = std::min(K, (g + 1) * group); k < k_end; ++k) sum += v[r * Kp + k];
+      vg[r * G + g] = sum;
+    }
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) int4_block<MR, NR>(v.data(), Kp, xs, vg.data(), w, scale, zero, K, group, n, y, ldy);
   for (; n < n1; ++n) int4_block<MR, 1>(v.data(), Kp, xs, vg.data(), w, scale, zero, K, group, n, y, ldy);
