@@ -346,12 +346,11 @@ class UnquantizedLinearMethod:
         # multiplied by widen_ops.bf16p_gemm for every row count where the layer allows (panels_take); else as
         # loaded, by widen_ops.bf16w_gemv in the layers' GEMV slot up to its rows and widen_ops.bf16w_gemm beyond.
         # Without widen_ops: widened_linear, a tile at a time.
-        # bf16_products (with weight_dtype bfloat16): where oneDNN packs bf16 weights, they are packed and multiplied
-        # in bf16 (AMX where there is one): each row rounded to bf16 on the way in, the product widened to the
-        # layers' dtype and the bias added in it. Elsewhere (a GPU, an AVX2-only CPU) the widening path above.
+        # bf16_products (with weight_dtype bfloat16, under float32 layers): where oneDNN packs bf16 weights, they are
+        # packed and multiplied in bf16 (AMX where there is one): each row rounded to bf16 on the way in, the product
+        # widened to float32 as the bias is added. Elsewhere (a GPU, an AVX2-only CPU) the widening path above.
         self.weight_dtype = weight_dtype
         self.bf16_products = bf16_products and weight_dtype == torch.bfloat16
-        self.out_dtype: torch.dtype | None = None  # the layers' dtype, for bf16_products's results
         self.widen_gemv = WidenedGemv(widen_ops) if widen_ops is not None else None
         self.panel_gemm = PanelGemm(widen_ops) if widen_ops is not None else None
         self.pack = pack and packing_available()
@@ -364,10 +363,8 @@ class UnquantizedLinearMethod:
         self._gemv_reads: dict[tuple[int, int], bool] = {}
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
-        if self.bf16_products:
-            if self.out_dtype not in (None, dtype):
-                raise ValueError(f"bf16_products serves layers of one dtype ({self.out_dtype}), not also {dtype}")
-            self.out_dtype = dtype
+        if self.bf16_products and dtype != torch.float32:
+            raise ValueError(f"bf16_products serves layers of one dtype, float32, not {dtype}")
         layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=self.weight_dtype or dtype),
                                     requires_grad=False)
         set_weight_loader(layer.weight, layer.weight_loader)
@@ -421,9 +418,8 @@ class UnquantizedLinearMethod:
             y: torch.Tensor = layer.gemv_ops.packed_gemv(rows, layer.weight, layer.bias)
             return y.view(*x.shape[:-1], layer.output_size)
         if not layer.packed:
-            if self.bf16_products and x.dtype != self.out_dtype:  # unpacked (no oneDNN bf16 here): widened
-                assert self.out_dtype is not None
-                x = x.to(self.out_dtype)
+            if self.bf16_products:  # unpacked (no oneDNN bf16 here): float32 rows, widened weights
+                x = x.float()
             if layer.weight.dtype != x.dtype:  # bf16-stored weights under a float32 model, past the GEMV's rows
                 rows = x.reshape(-1, layer.input_size)
                 if isinstance(layer.gemv_ops, WidenedGemv):  # the C++ product that widens as it packs
@@ -433,10 +429,9 @@ class UnquantizedLinearMethod:
                     y = widened_linear(rows, layer.weight, layer.bias)
                 return y.view(*x.shape[:-1], layer.output_size)
             return F.linear(x, layer.weight, layer.bias)
-        if self.bf16_products:
-            assert self.out_dtype is not None
-            y = onednn_linear(x.to(layer.weight.dtype), layer.weight, None).to(self.out_dtype)
-            return y if layer.bias is None else y.add_(layer.bias)
+        if self.bf16_products:  # the bf16 product widens exactly as it meets the float32 bias, in one pass
+            y = onednn_linear(x.to(layer.weight.dtype), layer.weight, None)
+            return y.float() if layer.bias is None else torch.add(y, layer.bias)
         return onednn_linear(x, layer.weight, layer.bias)
 
     @staticmethod
