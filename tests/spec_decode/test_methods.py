@@ -65,17 +65,17 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], cold: 
 LOGPROB_TOLERANCE = 1e-3
 
 
-def assert_same(*runs: list[Any]) -> None:
+def assert_same(*runs: list[Any], label: str = "") -> None:
     """The runs' outputs equal, request by request: tokens, finish and stop reasons and text exactly,
-    logprobs within LOGPROB_TOLERANCE."""
+    logprobs within LOGPROB_TOLERANCE; `label` names the case in a failure."""
     first = runs[0]
     for other in runs[1:]:
         assert len(other) == len(first)
         for i, (a, b) in enumerate(zip(first, other, strict=True)):
-            assert a[:4] == b[:4], f"request {i}"
-            assert [len(e) for e in a[4]] == [len(e) for e in b[4]], f"request {i}"
+            assert a[:4] == b[:4], f"{label} request {i}"
+            assert [len(e) for e in a[4]] == [len(e) for e in b[4]], f"{label} request {i}"
             for want, got in zip(a[4], b[4], strict=True):
-                assert got == pytest.approx(want, abs=LOGPROB_TOLERANCE), f"request {i}"
+                assert got == pytest.approx(want, abs=LOGPROB_TOLERANCE), f"{label} request {i}"
 
 
 def draft_cache_is_free(llm: LLM) -> bool:
@@ -128,7 +128,7 @@ def test_stops_inside_accepted_runs_cut_where_they_would(llama_dir: str, draft_d
     for method in METHODS:
         llm = tiny(llama_dir, kv_cache_memory="8MiB",
                   speculative_config=spec_config(method, draft_dir, k=5, adaptive=False))
-        assert_same(want, run(llm, REPEATS, params))
+        assert_same(want, run(llm, REPEATS, params), label=method)
         assert draft_cache_is_free(llm)
 
 
