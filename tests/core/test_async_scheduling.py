@@ -85,6 +85,7 @@ def make_core(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, 
         speculative=None,
         kv_transfer=None,
         structured_outputs=StructuredOutputsConfig(),
+        device=SimpleNamespace(device="cpu"),
         log_stats=False)  # no model shapes here for the step meter to count with
     executor = FakeExecutor(FakeRunner(block_size, lambda rid, tokens: eos_model(tokens)), num_blocks, not pipeline)
     return EngineCore(cast(EngineConfig, config), executor), executor

@@ -133,6 +133,29 @@ def test_rows_for_drafts_validate_and_rollback(backend: Any, tokenizer: Any) -> 
     assert (masks(b, [req], {})["a"] == first).all()
 
 
+def test_a_step_loop_fill_gives_the_rows_the_fill_thread_gives(backend: Any, tokenizer: Any) -> None:
+    """fill_on_step_loop (the model on the CPU): a step whose tokens were all told is filled before
+    grammar_bitmask returns, as a dict; the same rows as the fill thread's, step after step."""
+    threaded, inline = backend(), backend(fill_on_step_loop=True)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
+    reqs = {b: [request("a", json=schema), request("b", regex="[0-9]+")] for b in (threaded, inline)}
+    for b in (threaded, inline):
+        for req in reqs[b]:
+            ready(b, req)
+    text = '{"name": "ab", "n": 12}'
+    for tok_a, tok_b in zip(encode(tokenizer, text)[:6], encode(tokenizer, "123456")[:6], strict=False):
+        direct = inline.grammar_bitmask(reqs[inline], {})
+        assert isinstance(direct, dict)
+        via_thread = masks(threaded, reqs[threaded], {})
+        assert direct.keys() == via_thread.keys() == {"a", "b"}
+        for rid in direct:
+            assert (direct[rid] == via_thread[rid]).all()
+        for b in (threaded, inline):
+            for req, tok in zip(reqs[b], (tok_a, tok_b), strict=True):
+                req.append_output_token(tok)
+                assert not b.accept_tokens(req, [tok])
+
+
 def test_the_end_of_the_grammar_ends_the_request(backend: Any, tokenizer: Any) -> None:
     b = backend()
     done, open_ended = request("a", choice=["yes"]), request("b", regex="a+")

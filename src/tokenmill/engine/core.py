@@ -65,7 +65,8 @@ class EngineCore:
         # grammars for the requests with structured_outputs; the library and the tokenizer load on the first
         self.scheduler.set_structured_output(create_grammar_backend(
             config.structured_outputs, functools.partial(load_tokenizer, config.model.tokenizer),
-            config.model.arch.vocab_size, config.model.arch.eos_token_ids))
+            config.model.arch.vocab_size, config.model.arch.eos_token_ids,
+            fill_on_step_loop=config.device.device == "cpu"))
         self.num_blocks = num_blocks
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:

@@ -9,11 +9,15 @@ ready (is_ready) and schedules the others. Each request gets its own matcher, ad
 takes; draft tokens are tried and rolled back to build their bitmask rows. A request keeps its matcher
 when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own.
 
-A step's bitmasks are filled on a thread of their own (for the rows without drafts, one xgrammar batch
-call, or llguidance's calls row by row; both run without the GIL) while the step is prepared and its forward
-runs; the worker waits for them when it samples. A request's rows are filled once every token before them
-was told (accept_tokens), so with async scheduling the fill for a step waits for the output of the step
-before it (follows_tokens_in_flight).
+A step's rows without drafts are filled in one call of the library (an xgrammar batch call, or llguidance's
+calls row by row; both run without the GIL). Where every token before them was told (accept_tokens) when
+the step is scheduled, and the backend fills on the step loop (fill_on_step_loop: the model runs on the
+CPU, whose cores its forward's threads occupy, so a fill thread would only take turns with them and with
+the step loop at the GIL), they are filled there, before the step runs. Otherwise the step's bitmasks
+are filled on a thread of their own while the step is prepared and its forward runs, and the worker
+waits for them when it samples: rows with drafts, a GPU's steps, and with async scheduling a step whose
+requests' last tokens are still being sampled: its fill waits for the output of the step before it
+(follows_tokens_in_flight).
 
 A matcher (the library's, or a wrapper with the same methods) has xgrammar's GrammarMatcher interface:
 accept_token (False, state unchanged, for a token the grammar rejects), is_terminated (a stop token was
@@ -53,6 +57,7 @@ class _Matcher:
 
 # one step's fill: (request id, its matcher, how many of its tokens come before the row, its drafts)
 _FillJob = tuple[str, _Matcher, int, list[int]]
+_NO_DRAFTS: list[int] = []  # (never changed)
 
 
 def _live(state: _Matcher) -> bool:
@@ -65,8 +70,9 @@ class GrammarBackend:
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
                  cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1,
-                 disable_any_whitespace: bool = False) -> None:
+                 disable_any_whitespace: bool = False, fill_on_step_loop: bool = False) -> None:
         self._load_tokenizer = load_tokenizer
+        self.fill_on_step_loop = fill_on_step_loop
         self.disable_any_whitespace = disable_any_whitespace  # the server's, over every request's
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
@@ -75,6 +81,10 @@ class GrammarBackend:
         # the steps' bitmasks, in the order the steps were scheduled
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
         self._told = threading.Condition()  # notified when tokens are told, a request is freed, or at shutdown
+        # fills that wait for tokens (_fill), submitted (by the step loop) and done (by the fill thread): while
+        # none is in flight no thread reads a request's num_accepted but the step loop
+        self._fills_submitted = 0
+        self._fills_done = 0
         self._closed = False
         self._compiled: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
         self._matchers: dict[str, _Matcher] = {}
@@ -147,20 +157,25 @@ class GrammarBackend:
         """The step's bitmasks, filled on the fill thread once the constrained requests' tokens before
         this step (those of the steps still in flight too) were told."""
         jobs: list[_FillJob] = []
+        told = True  # every token before the step told, and no drafts
         for req in requests:
             state = self._matchers.get(req.request_id)
             if state is not None:  # the tokens before this step's: taken, and sampled by the steps in flight
                 before = req.num_output_tokens + req.num_output_placeholders - 1
-                jobs.append((req.request_id, state, before, drafts.get(req.request_id, [])))
+                d = drafts.get(req.request_id, _NO_DRAFTS) if drafts else _NO_DRAFTS
+                told = told and not d and state.num_accepted >= before
+                jobs.append((req.request_id, state, before, d))
         if not jobs:
             return {}
-        if not any(d for *_, d in jobs) and all(st.num_accepted >= before for _, st, before, _ in jobs):
-            # every token before this step told (this thread tells them): the rows are laid out here and the
-            # fill thread makes only the library's calls, which run without the GIL
+        if told:  # (this thread tells the tokens) the rows are laid out here, and filled here or by the fill
+            # thread, which then makes only the library's calls, which run without the GIL
             out, rows, matchers, fresh = self._lay_out(jobs)
             if not fresh:
                 return out
+            if self.fill_on_step_loop:
+                return self._batch_fill(matchers, rows, fresh, out)
             return self._fill_pool.submit(self._batch_fill, matchers, rows, fresh, out)
+        self._fills_submitted += 1
         return self._fill_pool.submit(self._fill, jobs)
 
     def _batch_fill(self, matchers: list[Any], rows: np.ndarray, fresh: list[int],
@@ -191,9 +206,15 @@ class GrammarBackend:
         return out, rows, [live[k][1].matcher for k in fresh], fresh
 
     def _fill(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
-        with self._told:
-            self._told.wait_for(lambda: self._closed or all(st.freed or st.num_accepted >= before
-                                                            for _, st, before, _ in jobs))
+        try:
+            with self._told:
+                self._told.wait_for(lambda: self._closed or all(st.freed or st.num_accepted >= before
+                                                                for _, st, before, _ in jobs))
+            return self._fill_told(jobs)
+        finally:
+            self._fills_done += 1
+
+    def _fill_told(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
         out, rows, matchers, fresh = self._lay_out(jobs)
         if fresh:  # the rows without drafts, in one call
             self._batch_fill(matchers, rows, fresh, out)
@@ -232,9 +253,12 @@ class GrammarBackend:
         try:
             return self._accept(request.request_id, state, token_ids)
         finally:
-            with self._told:  # the fill waiting for these tokens may go on
+            if self._fills_submitted != self._fills_done:
+                with self._told:  # a fill waiting for these tokens may go on
+                    state.num_accepted += len(token_ids)
+                    self._told.notify_all()
+            else:
                 state.num_accepted += len(token_ids)
-                self._told.notify_all()
 
     def _accept(self, request_id: str, state: _Matcher, token_ids: list[int]) -> bool:
         state.next_mask = None

@@ -58,8 +58,9 @@ class _Compiled:
 class GuidanceBackend(GrammarBackend):
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int] = (),
                  cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1, disable_any_whitespace: bool = False,
-                 disable_additional_properties: bool = True) -> None:
-        super().__init__(load_tokenizer, vocab_size, cache_size, compile_threads, disable_any_whitespace)
+                 disable_additional_properties: bool = True, fill_on_step_loop: bool = False) -> None:
+        super().__init__(load_tokenizer, vocab_size, cache_size, compile_threads, disable_any_whitespace,
+                         fill_on_step_loop)
         self.disable_additional_properties = disable_additional_properties
         self._eos = frozenset(eos_token_ids)  # the checkpoint's; the tokenizer's is added in _setup
         self._hf_tokenizer: Any = None
