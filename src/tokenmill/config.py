@@ -320,8 +320,9 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] | str | None = _arg(
         None, "structured outputs (response_format, tools, guided_*), as JSON (vLLM's StructuredOutputsConfig): "
               "{\"backend\": \"auto\" | \"xgrammar\" | \"guidance\", \"disable_any_whitespace\": false, "
-              "\"disable_additional_properties\": true} (default: xgrammar; JSON whitespace allowed, bounded; objects "
-              "take only the properties their schema names, with either backend)")
+              "\"disable_additional_properties\": true, \"max_json_whitespace\": null} (default: xgrammar; any "
+              "whitespace between JSON tokens, as in vLLM, or at most max_json_whitespace characters (tokenmill's); "
+              "objects take only the properties their schema names, with either backend)")
     pooler_config: str | None = _arg(None, "the pooling runner's pooling as JSON, e.g. '{\"pooling_type\": "
                                            "\"MEAN\", \"normalize\": true}' (pooling_type MEAN, CLS or LAST; "
                                            "default: the sentence-transformers config, else LAST, normalised)")

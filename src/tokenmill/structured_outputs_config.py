@@ -3,7 +3,10 @@
 `backend` picks the grammar library that builds the token bitmasks of requests with structured outputs
 (structured/): xgrammar, or llguidance ("guidance"); "auto" is xgrammar. `disable_any_whitespace` makes
 every JSON constraint compact (no whitespace between JSON tokens), as a request's own
-`disable_any_whitespace` does for it. `disable_additional_properties` is guidance's: true, or left out,
+`disable_any_whitespace` does for it. Otherwise any run of whitespace may separate two JSON tokens (vLLM's and
+xgrammar's rule), unless `max_json_whitespace` (tokenmill's, not vLLM's) bounds it: at most that many
+whitespace characters, with either backend, so that a model cannot emit whitespace until max_tokens; the
+bound makes each bitmask several times dearer to fill. `disable_additional_properties` is guidance's: true, or left out,
 makes its JSON objects take only the properties their schema names, as xgrammar's JSON grammars (built in
 its strict mode) always do; false lets them take others where the schema does not forbid them (vLLM's
 guidance default, which tokenmill does not follow: both backends give the same shape unless asked).
@@ -31,6 +34,7 @@ class StructuredOutputsConfig:
     backend: str = "xgrammar"  # resolved: one of GRAMMAR_BACKENDS
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = True
+    max_json_whitespace: int | None = None  # None: any run
 
 
 def resolve_structured_outputs_config(value: dict[str, Any] | str | None) -> StructuredOutputsConfig:
@@ -53,8 +57,13 @@ def resolve_structured_outputs_config(value: dict[str, Any] | str | None) -> Str
         extra = " (vLLM's, not built into tokenmill)" if backend in _OTHER_BACKENDS else ""
         raise ValueError(f"structured_outputs_config: backend {backend!r} unknown{extra}; choose from "
                          f"{['auto', *GRAMMAR_BACKENDS]}")
-    flags = {f.name: raw.get(f.name, f.default) for f in fields(StructuredOutputsConfig) if f.name != "backend"}
+    flags = {f.name: raw.get(f.name, f.default) for f in fields(StructuredOutputsConfig)
+             if f.name not in ("backend", "max_json_whitespace")}
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise ValueError(f"structured_outputs_config: {name} must be true or false, got {flag!r}")
-    return StructuredOutputsConfig(backend=backend, **flags)
+    bound = raw.get("max_json_whitespace")
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+        raise ValueError(f"structured_outputs_config: max_json_whitespace must be an integer >= 1 or null, "
+                         f"got {bound!r}")
+    return StructuredOutputsConfig(backend=backend, max_json_whitespace=bound, **flags)

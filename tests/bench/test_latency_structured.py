@@ -25,8 +25,10 @@ def test_latency_with_a_json_schema(llama_dir: str, tmp_path: Path, capsys: pyte
             "--no-roofline"]
     assert main([*base, "--json-schema", str(SCHEMA)]) == 0
     r = last_json(capsys)
-    assert r["json_schema"] == "records.json" and r["grammar_compile_s"] > 0
+    assert r["json_schema"] == "records.json" and r["grammar_compile_s"] > 0 and r["json_whitespace"] == "any"
     assert r["decode_ms_per_tok"] == pytest.approx(r["decode_s"] / 5 * 1e3, rel=1e-2)
+    assert main([*base, "--json-schema", str(SCHEMA), "--structured-outputs-config", '{"max_json_whitespace": 8}']) == 0
+    assert last_json(capsys)["json_whitespace"] == 8
     short = tmp_path / "short.json"
     short.write_text(json.dumps({"enum": ["a"]}))
     assert main([*base, "--json-schema", str(short)]) == 2

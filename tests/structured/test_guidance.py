@@ -16,8 +16,9 @@ from tokenmill.engine.input_processor import load_tokenizer
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.backend import GrammarBackend
 from tokenmill.structured.bitmask import allowed_ids
-from tokenmill.structured.grammar import MAX_JSON_WHITESPACE, closed_objects, grammar_key
+from tokenmill.structured.grammar import closed_objects, grammar_key
 from tokenmill.structured.guidance import GuidanceBackend
+from tokenmill.structured.registry import create_grammar_backend
 from tokenmill.structured.xgrammar_backend import XGrammarBackend
 from tokenmill.structured_outputs_config import StructuredOutputsConfig, resolve_structured_outputs_config
 
@@ -49,6 +50,7 @@ def ready(b: GrammarBackend, rid: str, stops: tuple[int, ...] = (EOS,), **constr
     ({"backend": "guidance", "disable_additional_properties": False},
      StructuredOutputsConfig("guidance", False, False)),
     ({"disable_fallback": False, "reasoning_parser": ""}, StructuredOutputsConfig()),  # vLLM's, at their defaults
+    ({"max_json_whitespace": 24}, StructuredOutputsConfig(max_json_whitespace=24)),
 ])
 def test_the_config_as_vllm_spells_it(raw: Any, want: StructuredOutputsConfig) -> None:
     assert resolve_structured_outputs_config(raw) == want
@@ -58,6 +60,8 @@ def test_the_config_as_vllm_spells_it(raw: Any, want: StructuredOutputsConfig) -
     ({"backend": "outlines"}, "vLLM's, not built into tokenmill"), ({"backend": "nope"}, "choose from"),
     ({"nope": 1}, "unknown field"), ("{bad", "not valid JSON"), ("[1]", "must be a JSON object"),
     ({"disable_any_whitespace": "yes"}, "true or false"), ({"reasoning_parser": "deepseek_r1"}, "not supported"),
+    ({"max_json_whitespace": 0}, "integer >= 1 or null"), ({"max_json_whitespace": "8"}, "integer >= 1 or null"),
+    ({"max_json_whitespace": True}, "integer >= 1 or null"),
 ])
 def test_a_bad_config_is_one_value_error(raw: Any, says: str) -> None:
     with pytest.raises(ValueError, match=says):
@@ -73,13 +77,17 @@ def test_the_cli_flag_reaches_the_engine_config(llama_dir: str) -> None:
     assert config.structured_outputs == StructuredOutputsConfig("guidance")
 
 
-def test_json_whitespace_is_bounded_as_xgrammar_bounds_it(tokenizer: Any) -> None:
+@pytest.mark.parametrize("bound", [None, 5])
+def test_json_whitespace_is_any_run_unless_bounded_alike_in_both_backends(tokenizer: Any, bound: int | None) -> None:
+    """vLLM's rule by default (any run of whitespace between two JSON tokens); max_json_whitespace bounds it."""
     [space] = encode(tokenizer, " ")
     [brace] = encode(tokenizer, "{")
-    run = [brace] + [space] * (MAX_JSON_WHITESPACE + 5)
-    for b in (GuidanceBackend(lambda: tokenizer, VOCAB, (EOS,)), XGrammarBackend(lambda: tokenizer, VOCAB)):
+    run = [brace] + [space] * 40
+    for name in ("guidance", "xgrammar"):  # as the engine core makes them, from the server's config
+        b = create_grammar_backend(StructuredOutputsConfig(name, max_json_whitespace=bound), lambda: tokenizer,
+                                   VOCAB, (EOS,))
         ready(b, "a", json={"type": "object"})
-        assert b.validate_tokens("a", run) == 1 + MAX_JSON_WHITESPACE, type(b).__name__
+        assert b.validate_tokens("a", run) == (len(run) if bound is None else 1 + bound), name
         b.shutdown()
 
 

@@ -174,7 +174,10 @@ def structured_fields(llm: Any, path: str | None, params: Any) -> dict[str, Any]
 
     backend = llm.engine.core.scheduler.structured_output
     compile_s = backend.compile_seconds.get(grammar_key(params.structured_outputs, backend.disable_any_whitespace))
-    return {"json_schema": os.path.basename(path), "grammar_backend": llm.engine.config.structured_outputs.backend,
+    config = llm.engine.config.structured_outputs
+    return {"json_schema": os.path.basename(path), "grammar_backend": config.backend,
+            "json_whitespace": ("none" if config.disable_any_whitespace
+                                else "any" if config.max_json_whitespace is None else config.max_json_whitespace),
             "grammar_compile_s": None if compile_s is None else sig(compile_s)}
 
 

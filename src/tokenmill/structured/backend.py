@@ -70,8 +70,10 @@ class GrammarBackend:
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
                  cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1,
-                 disable_any_whitespace: bool = False, fill_on_step_loop: bool = False) -> None:
+                 disable_any_whitespace: bool = False, fill_on_step_loop: bool = False,
+                 max_json_whitespace: int | None = None) -> None:
         self._load_tokenizer = load_tokenizer
+        self.max_json_whitespace = max_json_whitespace  # grammar.build_grammar's max_whitespace
         self.fill_on_step_loop = fill_on_step_loop
         self.disable_any_whitespace = disable_any_whitespace  # the server's, over every request's
         self.vocab_size = vocab_size

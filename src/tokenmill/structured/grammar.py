@@ -17,9 +17,6 @@ from tokenmill.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-# whitespace characters allowed between two JSON tokens where any whitespace is: room for indented
-# output, and a bound on a model that would otherwise emit whitespace until max_tokens
-MAX_JSON_WHITESPACE = 24
 _WHITESPACE = r"[\x20\x0A\x0D\x09]"  # JSON's whitespace characters, as a regex class (guidance's option)
 GrammarKey = tuple[str, str, bool]  # (kind, the constraint's canonical text, free whitespace in JSON)
 
@@ -37,8 +34,9 @@ def grammar_key(params: StructuredOutputsParams, disable_any_whitespace: bool = 
     return kind, str(value), not (params.disable_any_whitespace or disable_any_whitespace)
 
 
-def build_grammar(key: GrammarKey) -> xgr.Grammar:
-    """The grammar for a key; a ValueError that says what is wrong when it cannot be built."""
+def build_grammar(key: GrammarKey, max_whitespace: int | None = None) -> xgr.Grammar:
+    """The grammar for a key; a ValueError that says what is wrong when it cannot be built. max_whitespace: the
+    most whitespace characters between two JSON tokens where any whitespace is (None: any run)."""
     import xgrammar as xgr
 
     kind, text, any_whitespace = key
@@ -46,7 +44,7 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
         if kind in ("json", "json_object"):  # json_object: any JSON object (OpenAI's JSON mode)
             return xgr.Grammar.from_json_schema(
                 text if kind == "json" else '{"type": "object"}', any_whitespace=any_whitespace,
-                strict_mode=kind == "json", max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
+                strict_mode=kind == "json", max_whitespace_cnt=max_whitespace if any_whitespace else None)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
@@ -56,8 +54,10 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
         raise invalid(kind, _first_line(e)) from None
 
 
-def guidance_grammar(key: GrammarKey, disable_additional_properties: bool = True) -> str:
-    """llguidance's grammar text for a key; a ValueError that says what is wrong when it is not valid."""
+def guidance_grammar(key: GrammarKey, disable_additional_properties: bool = True,
+                     max_whitespace: int | None = None) -> str:
+    """llguidance's grammar text for a key; a ValueError that says what is wrong when it is not valid.
+    max_whitespace: build_grammar's."""
     import llguidance as llg
 
     kind, text, any_whitespace = key
@@ -67,8 +67,8 @@ def guidance_grammar(key: GrammarKey, disable_additional_properties: bool = True
             if disable_additional_properties:
                 schema = closed_objects(schema)
             options: dict[str, Any] = {"whitespace_flexible": any_whitespace}
-            if any_whitespace:
-                options["whitespace_pattern"] = f"{_WHITESPACE}{{1,{MAX_JSON_WHITESPACE}}}"
+            if any_whitespace and max_whitespace is not None:  # (llguidance's own pattern: any run)
+                options["whitespace_pattern"] = f"{_WHITESPACE}{{1,{max_whitespace}}}"
             grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(text)

@@ -2,8 +2,8 @@
 constraint as llguidance grammar text, one LLMatcher per request (a copy of the one compiled per grammar),
 and a step's rows filled one by one (each call runs without the GIL).
 
-JSON follows the xgrammar backend's rules: whitespace between JSON tokens bounded by MAX_JSON_WHITESPACE
-characters, none with disable_any_whitespace; objects take only the properties their schema names (as
+JSON follows the xgrammar backend's rules: any whitespace between JSON tokens, at most max_json_whitespace
+characters where that is set, none with disable_any_whitespace; objects take only the properties their schema names (as
 xgrammar's strict mode) unless disable_additional_properties is false. EBNF/GBNF grammars go through
 llguidance's converter to Lark; llguidance's own Lark syntax is accepted too.
 
@@ -58,9 +58,10 @@ class _Compiled:
 class GuidanceBackend(GrammarBackend):
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int] = (),
                  cache_size: int = DEFAULT_CACHE_SIZE, compile_threads: int = 1, disable_any_whitespace: bool = False,
-                 disable_additional_properties: bool = True, fill_on_step_loop: bool = False) -> None:
+                 disable_additional_properties: bool = True, fill_on_step_loop: bool = False,
+                 max_json_whitespace: int | None = None) -> None:
         super().__init__(load_tokenizer, vocab_size, cache_size, compile_threads, disable_any_whitespace,
-                         fill_on_step_loop)
+                         fill_on_step_loop, max_json_whitespace)
         self.disable_additional_properties = disable_additional_properties
         self._eos = frozenset(eos_token_ids)  # the checkpoint's; the tokenizer's is added in _setup
         self._hf_tokenizer: Any = None
@@ -90,7 +91,7 @@ class GuidanceBackend(GrammarBackend):
         import llguidance as llg
 
         self._setup()
-        grammar = guidance_grammar(key, self.disable_additional_properties)
+        grammar = guidance_grammar(key, self.disable_additional_properties, self.max_json_whitespace)
         matcher = llg.LLMatcher(self._tokenizer(self._eos), grammar, log_level=0)
         if matcher.is_error():
             raise invalid(key[0], guidance_message(matcher.get_error()))

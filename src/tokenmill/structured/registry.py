@@ -14,7 +14,7 @@ def _xgrammar(config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any]
     from tokenmill.structured.xgrammar_backend import XGrammarBackend
 
     return XGrammarBackend(load_tokenizer, vocab_size, disable_any_whitespace=config.disable_any_whitespace,
-                           fill_on_step_loop=fill_on_step_loop)
+                           fill_on_step_loop=fill_on_step_loop, max_json_whitespace=config.max_json_whitespace)
 
 
 def _guidance(config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any], vocab_size: int,
@@ -24,7 +24,7 @@ def _guidance(config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any]
     return GuidanceBackend(load_tokenizer, vocab_size, eos_token_ids,
                            disable_any_whitespace=config.disable_any_whitespace,
                            disable_additional_properties=config.disable_additional_properties,
-                           fill_on_step_loop=fill_on_step_loop)
+                           fill_on_step_loop=fill_on_step_loop, max_json_whitespace=config.max_json_whitespace)
 
 
 # every name in structured_outputs_config.GRAMMAR_BACKENDS

@@ -36,7 +36,7 @@ class XGrammarBackend(GrammarBackend):
     def _compile_key(self, key: GrammarKey) -> xgr.CompiledGrammar:
         self._setup()
         assert self._compiler is not None
-        return self._compiler.compile_grammar(build_grammar(key))
+        return self._compiler.compile_grammar(build_grammar(key, self.max_json_whitespace))
 
     def _library_matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]) -> xgr.GrammarMatcher:
         import xgrammar as xgr
