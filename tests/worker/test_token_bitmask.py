@@ -106,3 +106,17 @@ def test_a_bitmask_row_per_draft_position() -> None:
     assert Sampler()(logits, meta).token_ids == [[5, 6, 8]]
     meta = metadata_for([row(SamplingParams(temperature=0.0))], drafts={0: [4, 6]}, bitmasks={0: mask})
     assert Sampler()(logits, meta).token_ids == [[5]]
+
+
+@pytest.mark.parametrize("constrained", [[0, 1, 2], [2, 0], [1]])
+def test_the_steps_bitmask_holds_each_requests_rows_at_its_rows(constrained: list[int]) -> None:
+    """Every request constrained (its masks given in another order than the requests') or some: request i's
+    rows where its rows are (after request i-1's draft rows), every bit set in the rows of the others."""
+    drafts = {0: [5, 6], 2: [7]}
+    rng = np.random.default_rng(0)
+    masks = {i: rng.integers(-2**31, 2**31, (1 + len(drafts.get(i, [])), 3), dtype=np.int64).astype(np.int32)
+             for i in constrained}
+    meta = metadata_for([row(SamplingParams(temperature=0.0)) for _ in range(3)], drafts=drafts, bitmasks=masks)
+    assert meta.bitmask is not None
+    want = np.concatenate([masks.get(i, np.full((1 + len(drafts.get(i, [])), 3), -1, np.int32)) for i in range(3)])
+    assert np.array_equal(meta.bitmask.numpy(), want)

@@ -53,6 +53,7 @@ class _Matcher:
     next_mask: np.ndarray | None = None  # [words]: the bitmask after the tokens taken, when already filled
     num_accepted: int = 0  # the request's tokens told so far
     freed: bool = False  # the request finished: a fill still waiting for its tokens waits no more
+    terminated: bool = False  # matcher.is_terminated() after the tokens told (and rolled back)
 
 
 # one step's fill: (request id, its matcher, how many of its tokens come before the row, its drafts)
@@ -62,7 +63,7 @@ _NO_DRAFTS: list[int] = []  # (never changed)
 
 def _live(state: _Matcher) -> bool:
     """Whether the request's grammar still constrains its next token."""
-    return not state.freed and not state.matcher.is_terminated()
+    return not state.freed and not state.terminated
 
 
 class GrammarBackend:
@@ -146,7 +147,7 @@ class GrammarBackend:
         for tok in request.output_token_ids:  # none but for a request that had tokens before this backend
             matcher.accept_token(tok)
         return _Matcher(matcher, pack_allowed(matcher.stop_token_ids, self.vocab_size),
-                        num_accepted=len(request.output_token_ids))
+                        num_accepted=len(request.output_token_ids), terminated=matcher.is_terminated())
 
     def count_into(self, stats: SchedulerStats) -> None:
         stats.structured_requests = dict(self.num_requests)
@@ -186,26 +187,24 @@ class GrammarBackend:
         return out
 
     def _lay_out(self, jobs: list[_FillJob]) -> tuple[dict[str, np.ndarray], np.ndarray, list[Any], list[int]]:
-        """The jobs without drafts: (each one's row: a live request's a view of one array, an ended one's all
-        set; that array; the matchers of the rows still to be filled, and those rows' indices in it)."""
+        """The jobs without drafts: (each one's row, a view of one array: an ended request's all set; that
+        array; the matchers of the rows still to be filled (by _fill_rows, which writes each word of a row),
+        and those rows' indices in it)."""
+        plain = [(rid, st) for rid, st, _, d in jobs if not d]
+        rows = np.empty((len(plain), self.words), np.int32)
         out: dict[str, np.ndarray] = {}
-        live = []
-        for rid, st, _, d in jobs:
-            if d:
-                continue
-            if _live(st):
-                live.append((rid, st))
-            else:  # ended: the row is never used
-                out[rid] = np.full((1, self.words), -1, np.int32)
-        rows = np.full((len(live), self.words), -1, np.int32)
+        matchers: list[Any] = []
         fresh: list[int] = []
-        for k, (rid, st) in enumerate(live):
-            if st.next_mask is None:
-                fresh.append(k)
-            else:
+        for k, (rid, st) in enumerate(plain):
+            if not _live(st):  # ended: the row is never used
+                rows[k] = -1
+            elif st.next_mask is not None:
                 rows[k] = st.next_mask
+            else:
+                matchers.append(st.matcher)
+                fresh.append(k)
             out[rid] = rows[k:k + 1]
-        return out, rows, [live[k][1].matcher for k in fresh], fresh
+        return out, rows, matchers, fresh
 
     def _fill(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
         try:
@@ -266,12 +265,13 @@ class GrammarBackend:
         state.next_mask = None
         matcher = state.matcher
         for tok in token_ids:
-            if matcher.is_terminated():
+            if state.terminated:
                 break
             if not matcher.accept_token(tok):
                 logger.warning("request %s: token %d breaks its grammar", request_id, tok)
                 return True
-        if matcher.is_terminated():
+            state.terminated = matcher.is_terminated()
+        if state.terminated:
             return True
         if not matcher.is_completed():
             return False
@@ -310,6 +310,7 @@ class GrammarBackend:
         if state is not None and num_tokens > 0:
             state.next_mask = None
             state.matcher.rollback(num_tokens)
+            state.terminated = state.matcher.is_terminated()
             state.num_accepted -= num_tokens
 
     def shutdown(self) -> None:

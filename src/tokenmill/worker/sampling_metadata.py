@@ -283,6 +283,8 @@ class SamplingTable:
 def _assemble_bitmask(meta: SamplingMetadata, req_ids: Sequence[str], bitmasks: dict[str, np.ndarray],
                       device: torch.device | None) -> torch.Tensor:
     """[R, words] int32: each constrained request's rows from its bitmask, every bit set elsewhere."""
+    if len(bitmasks) == len(req_ids):  # every request constrained: their rows, in order
+        return torch.from_numpy(np.concatenate([bitmasks[rid] for rid in req_ids])).to(device or "cpu")
     words = next(iter(bitmasks.values())).shape[-1]
     out = np.full((meta.num_rows, words), -1, np.int32)
     first = meta.first_rows
