@@ -5,7 +5,9 @@ draft tokens, while the unconstrained requests beside them keep their tokens."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -81,8 +83,9 @@ def check(free: list[list[int]], constrained: list[list[int]]) -> None:
     assert constrained[2:] == free[2:]
 
 
-def grammar_run(llm: LLM, seeded: bool, proposer: Any = None) -> tuple[list[list[int]], ToyGrammar]:
-    grammar = ToyGrammar()
+def grammar_run(llm: LLM, seeded: bool, proposer: Any = None,
+                grammar: ToyGrammar | None = None) -> tuple[list[list[int]], ToyGrammar]:
+    grammar = grammar or ToyGrammar()
     backend = llm.engine.core.scheduler.structured_output
     llm.engine.core.scheduler.set_structured_output(grammar)
     llm.engine.core.executor.runner.set_proposer(proposer)
@@ -106,19 +109,29 @@ def test_constrained_requests_obey_and_the_others_keep_their_tokens(llama_dir: s
     assert sorted(grammar.freed) == sorted(grammar.told) and len(grammar.told) == 6
 
 
-def test_bitmasks_filled_late_take_the_fused_lm_head(llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # a step whose bitmasks are still being filled when it begins (as under async scheduling) runs the fused
-    # forward, then the lm_head and masked argmax in one call (lm_head_greedy): the same tokens as a step
-    # whose bitmasks were in at its start (one decode_greedy call)
-    from tokenmill.worker.sampling_metadata import SamplingMetadata
+class LateGrammar(ToyGrammar):
+    """ToyGrammar's bitmasks, given 5 ms after the step asks, from another thread (as a fill that waits for the
+    tokens of the step in flight under async scheduling)."""
 
+    def grammar_bitmask(self, requests: Sequence[Request],
+                        drafts: Mapping[str, list[int]]) -> Future[dict[str, np.ndarray]]:
+        rows = super().grammar_bitmask(requests, drafts)
+        future: Future[dict[str, np.ndarray]] = Future()
+        threading.Timer(0.005, future.set_result, (rows,)).start()
+        return future
+
+
+def test_bitmasks_filled_late_are_waited_for_inside_the_fused_call(llama_dir: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # a step whose bitmasks are still being filled when it begins runs in one decode_greedy call, which waits for
+    # them after its lm_head: the same tokens as a step whose bitmasks were in at its start
     require_fused_decode()
     llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory="8MiB", async_scheduling=False)
     fused = llm.engine.core.executor.runner.fused_decode
     assert fused is not None
     free = tokens(llm, False)
     ready, _ = grammar_run(llm, False)
-    calls = {"lm_head_greedy": 0, "decode_greedy": 0}
+    calls = {"lm_head_greedy": 0, "decode_greedy": 0, "release_flag": 0}
     ops = fused.ops
 
     class Counting:
@@ -128,12 +141,10 @@ def test_bitmasks_filled_late_take_the_fused_lm_head(llama_dir: str, monkeypatch
             return getattr(ops, name)
 
     monkeypatch.setattr(fused, "ops", Counting())
-    monkeypatch.setattr(SamplingMetadata, "bitmask_ready", property(lambda self: self.bitmask_pending is None
-                                                                    and self.bitmask is None))
-    late, _ = grammar_run(llm, False)
+    late, _ = grammar_run(llm, False, grammar=LateGrammar())
     check(free, late)
     assert late == ready
-    assert calls["lm_head_greedy"] > 0 and calls["decode_greedy"] == 0, calls
+    assert calls["decode_greedy"] > 0 and calls["release_flag"] > 0 and calls["lm_head_greedy"] == 0, calls
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])

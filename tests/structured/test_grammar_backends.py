@@ -156,6 +156,32 @@ def test_a_step_loop_fill_gives_the_rows_the_fill_thread_gives(backend: Any, tok
                 assert not b.accept_tokens(req, [tok])
 
 
+def test_a_step_loop_fill_that_waits_for_tokens_is_filled_when_the_last_is_told(backend: Any,
+                                                                             tokenizer: Any) -> None:
+    """Async scheduling with fill_on_step_loop: a step scheduled before its requests' last tokens are told
+    gets a Future, filled on the step loop inside the accept_tokens (or free) that tells the last of them;
+    the rows equal those of a step scheduled after."""
+    b = backend(fill_on_step_loop=True)
+    reqs = [request("a", regex="[0-9]+x"), request("b", regex="[0-9]+x"), request("c", regex="[0-9]+x")]
+    for req in reqs:
+        ready(b, req)
+    [one] = encode(tokenizer, "1")
+    for req in reqs:  # the tokens of the step in flight and of this one, not sampled yet
+        req.num_output_placeholders = 2
+    pending = b.grammar_bitmask(reqs, {})
+    assert not isinstance(pending, dict) and not pending.done()
+    for req in reqs[:2]:  # the step in flight's
+        req.num_output_placeholders -= 1
+        req.append_output_token(one)
+        assert not b.accept_tokens(req, [one]) and not pending.done()
+    b.free("c")  # aborted: nothing more to wait for
+    assert pending.done()
+    rows = pending.result()
+    after = masks(b, reqs[:2], {})
+    assert (rows["a"] == after["a"]).all() and (rows["b"] == after["b"]).all()
+    assert one in allowed_ids(rows["a"][0]).tolist() and (rows["c"] == -1).all()
+
+
 def test_the_end_of_the_grammar_ends_the_request(backend: Any, tokenizer: Any) -> None:
     b = backend()
     done, open_ended = request("a", choice=["yes"]), request("b", regex="a+")

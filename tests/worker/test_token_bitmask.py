@@ -5,6 +5,7 @@ argmax, which would not see it; rows without a bitmask sample as they would with
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.bitmask import pack_allowed
 from tokenmill.worker.sampler import Sampler, apply_token_bitmask
-from tokenmill.worker.sampling_metadata import SamplingRow, metadata_for
+from tokenmill.worker.sampling_metadata import SamplingRow, SamplingTable, metadata_for
 
 VOCAB = 70  # not a multiple of 32: the last word is partly past the vocabulary
 
@@ -120,3 +121,29 @@ def test_the_steps_bitmask_holds_each_requests_rows_at_its_rows(constrained: lis
     assert meta.bitmask is not None
     want = np.concatenate([masks.get(i, np.full((1 + len(drafts.get(i, [])), 3), -1, np.int32)) for i in range(3)])
     assert np.array_equal(meta.bitmask.numpy(), want)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_bitmasks_written_for_a_call_that_waits_for_them(fails: bool) -> None:
+    """bitmask_written: the thread that completes the fill writes the step's bitmask into the rows and then
+    releases the flag; where the fill failed, the flag is released too (the call ends) and take_written raises."""
+    table = SamplingTable()
+    for rid in ("a", "b"):
+        table.add(rid, row(SamplingParams(temperature=0.0)))
+    pending: Future[dict[str, np.ndarray]] = Future()
+    meta = table.view(["a", "b"], None, pending)
+    released: list[int] = []
+    rows, ready = meta.bitmask_written(3, lambda flag: released.append(int(flag.item())))
+    assert not released
+    mask = pack_allowed([4, 5], VOCAB)[None]
+    if fails:
+        pending.set_exception(ValueError("the fill failed"))
+    else:
+        pending.set_result({"b": mask})
+    assert released == [0]  # (the flag's value when release was called: release sets it)
+    if fails:
+        with pytest.raises(ValueError, match="the fill failed"):
+            meta.take_written(rows)
+        return
+    meta.take_written(rows)
+    assert meta.bitmask is rows and np.array_equal(rows.numpy(), np.concatenate([np.full((1, 3), -1), mask]))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +61,11 @@ _FillJob = tuple[str, _Matcher, int, list[int]]
 _NO_DRAFTS: list[int] = []  # (never changed)
 
 
+def _short_of_tokens(jobs: list[_FillJob]) -> dict[str, int]:
+    """The jobs' requests that were not told every token before their rows yet: how many they need."""
+    return {rid: before for rid, st, before, _ in jobs if not st.freed and st.num_accepted < before}
+
+
 def _live(state: _Matcher) -> bool:
     """Whether the request's grammar still constrains its next token."""
     return not state.freed and not state.terminated
@@ -83,7 +88,12 @@ class GrammarBackend:
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="tokenmill-grammar")
         # the steps' bitmasks, in the order the steps were scheduled
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
-        self._told = threading.Condition()  # notified when tokens are told, a request is freed, or at shutdown
+        # notified when the tokens the waiting fill needs were told (or their requests freed), or at shutdown
+        self._told = threading.Condition()
+        self._awaited: dict[str, int] = {}  # the waiting fill's requests still short of tokens: how many it needs
+        # with fill_on_step_loop, the steps whose fills wait for tokens, in order: (the jobs, the Future the worker
+        # waits for, the requests still short of tokens); the step loop fills each once it told the last of them
+        self._step_fills: deque[tuple[list[_FillJob], Future[dict[str, np.ndarray]], dict[str, int]]] = deque()
         # fills that wait for tokens (_fill), submitted (by the step loop) and done (by the fill thread): while
         # none is in flight no thread reads a request's num_accepted but the step loop
         self._fills_submitted = 0
@@ -157,8 +167,8 @@ class GrammarBackend:
 
     def grammar_bitmask(self, requests: Sequence[Request],
                         drafts: Mapping[str, list[int]]) -> GrammarBitmasks:
-        """The step's bitmasks, filled on the fill thread once the constrained requests' tokens before
-        this step (those of the steps still in flight too) were told."""
+        """The step's bitmasks, filled once the constrained requests' tokens before this step (those of the
+        steps still in flight too) were told: now, or as a Future, on the step loop or the fill thread."""
         jobs: list[_FillJob] = []
         told = True  # every token before the step told, and no drafts
         for req in requests:
@@ -178,6 +188,13 @@ class GrammarBackend:
             if self.fill_on_step_loop:
                 return self._batch_fill(matchers, rows, fresh, out)
             return self._fill_pool.submit(self._batch_fill, matchers, rows, fresh, out)
+        if self.fill_on_step_loop:
+            awaited = _short_of_tokens(jobs)
+            if not awaited:  # drafts, every token told
+                return self._fill_told(jobs)
+            future: Future[dict[str, np.ndarray]] = Future()
+            self._step_fills.append((jobs, future, awaited))
+            return future
         self._fills_submitted += 1
         return self._fill_pool.submit(self._fill, jobs)
 
@@ -208,9 +225,9 @@ class GrammarBackend:
 
     def _fill(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
         try:
-            with self._told:
-                self._told.wait_for(lambda: self._closed or all(st.freed or st.num_accepted >= before
-                                                                for _, st, before, _ in jobs))
+            with self._told:  # woken once, when the last of them is told
+                self._awaited = _short_of_tokens(jobs)
+                self._told.wait_for(lambda: self._closed or not self._awaited)
             return self._fill_told(jobs)
         finally:
             self._fills_done += 1
@@ -254,10 +271,15 @@ class GrammarBackend:
         try:
             return self._accept(request.request_id, state, token_ids)
         finally:
-            if self._fills_submitted != self._fills_done:
-                with self._told:  # a fill waiting for these tokens may go on
+            if self._step_fills:
+                state.num_accepted += len(token_ids)
+                self._tell_step_fills(request.request_id, state.num_accepted)
+            elif self._fills_submitted != self._fills_done:
+                with self._told:
                     state.num_accepted += len(token_ids)
-                    self._told.notify_all()
+                    before = self._awaited.get(request.request_id)
+                    if before is not None and state.num_accepted >= before:
+                        self._told_enough(request.request_id)
             else:
                 state.num_accepted += len(token_ids)
 
@@ -284,9 +306,37 @@ class GrammarBackend:
     def free(self, request_id: str) -> None:
         state = self._matchers.pop(request_id, None)
         if state is not None:
+            if self._step_fills:
+                state.freed = True
+                self._tell_step_fills(request_id, None)
+                return
             with self._told:
                 state.freed = True
-                self._told.notify_all()
+                if request_id in self._awaited:
+                    self._told_enough(request_id)
+
+    def _tell_step_fills(self, request_id: str, num_accepted: int | None) -> None:
+        """The request has num_accepted tokens told (None: it was freed): fill, on the step loop, each step
+        in turn that now has every token it waits for."""
+        for _, _, awaited in self._step_fills:
+            before = awaited.get(request_id)
+            if before is not None and (num_accepted is None or num_accepted >= before):
+                del awaited[request_id]
+        while self._step_fills and not self._step_fills[0][2]:
+            jobs, future, _ = self._step_fills.popleft()
+            self._complete(future, jobs)
+
+    def _complete(self, future: Future[dict[str, np.ndarray]], jobs: list[_FillJob]) -> None:
+        try:
+            future.set_result(self._fill_told(jobs))
+        except Exception as e:  # (the library's): the worker that waits for the Future raises it
+            future.set_exception(e)
+
+    def _told_enough(self, request_id: str) -> None:
+        """(holding _told) The waiting fill needs nothing more of the request: wake it if it needs no more."""
+        del self._awaited[request_id]
+        if not self._awaited:
+            self._told.notify_all()
 
     # ---- for speculative decoding ------------------------------------------------------------
     def validate_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
@@ -317,6 +367,9 @@ class GrammarBackend:
         with self._told:
             self._closed = True
             self._told.notify_all()
+        while self._step_fills:  # filled as the requests stand: no worker waits for them forever
+            jobs, future, _ = self._step_fills.popleft()
+            self._complete(future, jobs)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
 

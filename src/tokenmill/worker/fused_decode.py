@@ -31,6 +31,7 @@ from tokenmill.attention.cpu import CpuBackend
 from tokenmill.layers.linear import LinearBase, PanelGemm, UnquantizedLinearMethod, WidenedGemv, embedding_rows
 from tokenmill.layers.quantization import FusedProjection, fused_projection
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
+from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 ONEDNN_ONLY = -1  # the kernel's mark for a packed weight the GEMV does not read (oneDNN runs it)
 WIDENED = -2  # the kernel's mark for a bf16-stored weight under float32 rows (the widening GEMV runs it)
@@ -201,6 +202,19 @@ class FusedDecode:
             return None
         ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
                                                    *self._lm_head, bitmask)
+        return ids
+
+    def greedy_awaiting(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        sampling: SamplingMetadata, words: int) -> torch.Tensor | None:
+        """greedy, for a step whose bitmasks (`words` int32 a row) are still being filled when it begins: one call
+        that runs the layers and the lm_head, then waits (without the GIL) until the thread that fills them has
+        written them into its bitmask, and takes the argmax over them. None where the lm_head is not packed."""
+        if self._lm_head is None:
+            return None
+        rows, ready = sampling.bitmask_written(words, self.ops.release_flag)
+        ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
+                                                   *self._lm_head, rows, ready)
+        sampling.take_written(rows)
         return ids
 
     def greedy_from_hidden(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -33,6 +33,7 @@ from tokenmill.attention.cpu import CpuBackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import LogprobEntry
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.structured_output import bitmask_words
 from tokenmill.distributed import InFlight, PipelineParallel
 from tokenmill.kv_cache_spec import KVCacheConfig
 from tokenmill.models.interface import IntermediateTensors
@@ -316,14 +317,18 @@ class ModelRunner:
             argmax = sampling if (greedy and len(step.logits_indices) == len(step.input_ids)
                                   and not step.prompt_lp_rows) else None
             ids = None
-            if argmax is not None and argmax.bitmask_ready and not keep_hidden:
-                argmax.await_bitmask()
-                ids = fused.greedy(input_ids, positions, meta, argmax.bitmask)  # the whole step in one call
+            if argmax is not None and not keep_hidden:  # the whole step in one call
+                if argmax.bitmask_ready:
+                    argmax.await_bitmask()
+                    ids = fused.greedy(input_ids, positions, meta, argmax.bitmask)
+                else:  # the call waits for the bitmasks after its lm_head
+                    ids = fused.greedy_awaiting(input_ids, positions, meta, argmax,
+                                                bitmask_words(self.config.model.arch.vocab_size))
             if ids is None:
                 hidden = fused.forward(input_ids, positions, meta)
                 if argmax is not None:
-                    # bitmasks still being filled when the step began, or a proposer that reads the hidden
-                    # states: the forward first, then the lm_head and argmax in one call
+                    # a proposer that reads the hidden states, or an lm_head greedy does not take: the forward
+                    # first, then the lm_head and argmax in one call
                     argmax.await_bitmask()
                     ids = fused.greedy_from_hidden(hidden, argmax.bitmask)
             if ids is not None and argmax is not None:  # each row's token

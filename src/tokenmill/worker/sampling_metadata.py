@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -78,6 +78,7 @@ class SamplingMetadata:
     # the bitmasks being filled off the step loop, with the requests' ids in order and the device; the
     # worker takes them (await_bitmask) when it samples, after the forward
     bitmask_pending: tuple[Future[dict[str, np.ndarray]], Sequence[str], torch.device | None] | None = None
+    _write_errors: list[BaseException] = field(default_factory=list)  # bitmask_written's
     # request index -> [drafts, vocab]: the distributions its drafts were sampled from (draft_model)
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -104,6 +105,41 @@ class SamplingMetadata:
             masks = future.result()
             if masks:
                 self.bitmask = _assemble_bitmask(self, req_ids, masks, device)
+
+    def bitmask_written(self, words: int, release: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a call that waits for the pending bitmasks itself: an int32 [R, words] that they are written
+        into and an int32 [1] flag that `release` sets once they are (on the CPU, by the thread that completes
+        their fill; every bit set where it failed). take_written after the call."""
+        assert self.bitmask_pending is not None
+        future, req_ids, _ = self.bitmask_pending
+        rows = torch.empty((self.num_rows, words), dtype=torch.int32)
+        ready = torch.zeros(1, dtype=torch.int32)
+        errors = self._write_errors
+
+        def write(done: Future[dict[str, np.ndarray]]) -> None:
+            with torch.inference_mode():  # (the tensors are the step's, made under it)
+                try:
+                    masks = done.result()
+                    if masks:
+                        rows.copy_(_assemble_bitmask(self, req_ids, masks, None))
+                    else:
+                        rows.fill_(-1)
+                except BaseException as e:  # the fill's error, or this one: take_written raises it
+                    errors.append(e)
+                    rows.fill_(-1)
+                finally:
+                    release(ready)
+
+        future.add_done_callback(write)
+        return rows, ready
+
+    def take_written(self, rows: torch.Tensor) -> None:
+        """After the call that waited for bitmask_written's flag: those rows are the bitmask (raises the error
+        where filling them failed)."""
+        self.bitmask_pending = None
+        if self._write_errors:
+            raise self._write_errors[0]
+        self.bitmask = rows
 
     @property
     def all_argmax(self) -> bool:

@@ -20,7 +20,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -458,12 +462,50 @@ at::Tensor decode_layers_op(const at::Tensor& h_in, const at::Tensor& positions,
                        Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
 }
 
+constexpr auto kBitmaskWait = std::chrono::seconds(300);  // the longest a call waits for its bitmask
+
+// until the int32 flag is set (release_flag, by the thread that writes the bitmask): spinning for the first
+// 200 us, then yielding the CPU between looks; an error after kBitmaskWait (a fill that never ends)
+void wait_for_flag(const at::Tensor& flag) {
+  TORCH_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.is_contiguous(),
+              "bitmask_ready must be an int32 [1]");
+  const int32_t* p = flag.data_ptr<int32_t>();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t spins = 0; __atomic_load_n(p, __ATOMIC_ACQUIRE) == 0; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+      continue;
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    TORCH_CHECK(waited < kBitmaskWait, "the step's token bitmask was not filled within ",
+                std::chrono::duration_cast<std::chrono::seconds>(kBitmaskWait).count(), " s");
+    if (waited < std::chrono::microseconds(200)) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+// sets an int32 [1] flag to 1 with release ordering: what this thread wrote before is visible to wait_for_flag's
+void release_flag(const at::Tensor& flag) {
+  TORCH_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.is_contiguous(),
+              "release_flag: the flag must be an int32 [1]");
+  __atomic_store_n(flag.data_ptr<int32_t>(), 1, __ATOMIC_RELEASE);
+}
+
 // the final hidden states of a pure-decode step [T, hidden] -> each row's greedy token [T] (int64): lm_head and
 // argmax (over the tokens each row's bitmask allows, where one is given); decode_greedy ends with it, and a step
-// whose bitmasks were still being filled when it began calls it alone after decode_layers
+// whose bitmasks were still being filled when it began calls it alone after decode_layers. With bitmask_ready the
+// bitmask is being written by another thread: the argmax waits for that flag (after the lm_head)
 at::Tensor lm_head_greedy(const at::Tensor& x, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
-                          bool lm_head_gemv, int64_t lm_head_ptr, const OptTensor& bitmask) {
+                          bool lm_head_gemv, int64_t lm_head_ptr, const OptTensor& bitmask,
+                          const OptTensor& bitmask_ready) {
   const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
+  if (bitmask_ready.has_value()) {
+    TORCH_CHECK(bitmask.has_value(), "bitmask_ready without a bitmask");
+    wait_for_flag(*bitmask_ready);
+  }
   if (bitmask.has_value()) return ops().argmax_rows_masked.call(logits, *bitmask);
   return ops().argmax_rows.call(logits);
 }
@@ -479,7 +521,7 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          at::TensorList kv_scales, at::TensorList experts, int64_t num_experts, int64_t top_k,
                          bool norm_topk_prob, double routed_scaling_factor, const at::Tensor& lm_head,
                          const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr,
-                         const OptTensor& bitmask) {
+                         const OptTensor& bitmask, const OptTensor& bitmask_ready) {
   // the embedding's rows, copied as at::embedding copies them (and widened to float32 rows from a bf16 table,
   // as layers.linear.Embedding does), without those ops' per-call overhead; the rows take cos's dtype. A tied
   // lm_head's bf16 panels ([vocab / 16, hidden, 16], layers.linear.bf16_panels) are read as that table
@@ -518,7 +560,7 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
                                      scale, window, gemv, quant, linear_kinds, kv_scales, experts,
                                      Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
-  return lm_head_greedy(x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr, bitmask);
+  return lm_head_greedy(x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr, bitmask, bitmask_ready);
 }
 
 }  // namespace
@@ -534,9 +576,11 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
         "bool gemv, Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, "
         "Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor, "
-        "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? bitmask=None) -> Tensor");
+        "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? bitmask=None, "
+        "Tensor? bitmask_ready=None) -> Tensor");
   m.def("lm_head_greedy(Tensor x, Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, "
-        "Tensor? bitmask=None) -> Tensor");
+        "Tensor? bitmask=None, Tensor? bitmask_ready=None) -> Tensor");
+  m.def("release_flag(Tensor(a!) flag) -> ()");
 }
 
 // the packed weights are opaque oneDNN tensors, so calls dispatch on MkldnnCPU as well
@@ -544,6 +588,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers_op);
   m.impl("decode_greedy", &decode_greedy);
   m.impl("lm_head_greedy", &lm_head_greedy);
+  m.impl("release_flag", &release_flag);
 }
 TORCH_LIBRARY_IMPL(tokenmill_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers_op);
