@@ -10,14 +10,17 @@ takes; draft tokens are tried and rolled back to build their bitmask rows. A req
 when preempted: recompute preemption keeps its output tokens, so the matcher's state stays its own.
 
 A step's rows without drafts are filled in one call of the library (an xgrammar batch call, or llguidance's
-calls row by row; both run without the GIL). Where every token before them was told (accept_tokens) when
-the step is scheduled, and the backend fills on the step loop (fill_on_step_loop: the model runs on the
-CPU, whose cores its forward's threads occupy, so a fill thread would only take turns with them and with
-the step loop at the GIL), they are filled there, before the step runs. Otherwise the step's bitmasks
-are filled on a thread of their own while the step is prepared and its forward runs, and the worker
-waits for them when it samples: rows with drafts, a GPU's steps, and with async scheduling a step whose
-requests' last tokens are still being sampled: its fill waits for the output of the step before it
-(follows_tokens_in_flight).
+calls row by row; both run without the GIL), once every token before them was told (accept_tokens): with
+async scheduling a step is scheduled while the step before it still samples its requests' last tokens, and
+its fill waits for that step's output (follows_tokens_in_flight). The worker waits for the bitmasks when it
+samples (the fused CPU decode, inside its one call after the lm_head).
+
+Where the backend fills on the step loop (fill_on_step_loop: the model runs on the CPU, whose cores its
+forward's threads occupy, so a fill thread would only take turns with them and with the step loop at the
+GIL), a step whose tokens were all told is filled before grammar_bitmask returns, and one that waits for
+tokens gets a Future that the step loop fills inside the accept_tokens (or free) that tells the last token
+it needs. Otherwise (a GPU) the step's bitmasks are filled on a thread of their own while the step is
+prepared and its forward runs, the thread woken once the last token it needs was told.
 
 A matcher (the library's, or a wrapper with the same methods) has xgrammar's GrammarMatcher interface:
 accept_token (False, state unchanged, for a token the grammar rejects), is_terminated (a stop token was
