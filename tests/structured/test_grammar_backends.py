@@ -156,12 +156,13 @@ def test_a_step_loop_fill_gives_the_rows_the_fill_thread_gives(backend: Any, tok
                 assert not b.accept_tokens(req, [tok])
 
 
-def test_a_step_loop_fill_that_waits_for_tokens_is_filled_when_the_last_is_told(backend: Any,
-                                                                             tokenizer: Any) -> None:
-    """Async scheduling with fill_on_step_loop: a step scheduled before its requests' last tokens are told
-    gets a Future, filled on the step loop inside the accept_tokens (or free) that tells the last of them;
-    the rows equal those of a step scheduled after."""
-    b = backend(fill_on_step_loop=True)
+@pytest.mark.parametrize("on_step_loop", [True, False], ids=["step_loop", "fill_thread"])
+def test_a_fill_that_waits_for_tokens_is_filled_when_the_last_is_told(backend: Any, tokenizer: Any,
+                                                                      on_step_loop: bool) -> None:
+    """Async scheduling: a step scheduled before its requests' last tokens are told gets a Future, filled once
+    the accept_tokens (or free) that tells the last of them: inside it on the step loop, else on the fill
+    thread; the rows equal those of a step scheduled after."""
+    b = backend(fill_on_step_loop=on_step_loop)
     reqs = [request("a", regex="[0-9]+x"), request("b", regex="[0-9]+x"), request("c", regex="[0-9]+x")]
     for req in reqs:
         ready(b, req)
@@ -175,8 +176,8 @@ def test_a_step_loop_fill_that_waits_for_tokens_is_filled_when_the_last_is_told(
         req.append_output_token(one)
         assert not b.accept_tokens(req, [one]) and not pending.done()
     b.free("c")  # aborted: nothing more to wait for
-    assert pending.done()
-    rows = pending.result()
+    assert pending.done() or not on_step_loop
+    rows = pending.result(timeout=60)
     after = masks(b, reqs[:2], {})
     assert (rows["a"] == after["a"]).all() and (rows["b"] == after["b"]).all()
     assert one in allowed_ids(rows["a"][0]).tolist() and (rows["c"] == -1).all()

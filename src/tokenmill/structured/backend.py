@@ -12,15 +12,13 @@ when preempted: recompute preemption keeps its output tokens, so the matcher's s
 A step's rows without drafts are filled in one call of the library (an xgrammar batch call, or llguidance's
 calls row by row; both run without the GIL), once every token before them was told (accept_tokens): with
 async scheduling a step is scheduled while the step before it still samples its requests' last tokens, and
-its fill waits for that step's output (follows_tokens_in_flight). The worker waits for the bitmasks when it
-samples (the fused CPU decode, inside its one call after the lm_head).
+gets a Future, queued until the accept_tokens (or free) that tells the last token it needs. The worker
+waits for the bitmasks when it samples (the fused CPU decode, inside its one call after the lm_head).
 
 Where the backend fills on the step loop (fill_on_step_loop: the model runs on the CPU, whose cores its
 forward's threads occupy, so a fill thread would only take turns with them and with the step loop at the
-GIL), a step whose tokens were all told is filled before grammar_bitmask returns, and one that waits for
-tokens gets a Future that the step loop fills inside the accept_tokens (or free) that tells the last token
-it needs. Otherwise (a GPU) the step's bitmasks are filled on a thread of their own while the step is
-prepared and its forward runs, the thread woken once the last token it needs was told.
+GIL), a step is filled there: before grammar_bitmask returns, or inside that last accept_tokens. Otherwise
+(a GPU) it is filled on a thread of its own, while the step is prepared and its forward runs.
 
 A matcher (the library's, or a wrapper with the same methods) has xgrammar's GrammarMatcher interface:
 accept_token (False, state unchanged, for a token the grammar rejects), is_terminated (a stop token was
@@ -29,7 +27,6 @@ taken), is_completed (the grammar may end here), rollback and stop_token_ids."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -55,7 +52,7 @@ class _Matcher:
     stop_mask: np.ndarray  # [words] int32: the stop tokens' bits
     next_mask: np.ndarray | None = None  # [words]: the bitmask after the tokens taken, when already filled
     num_accepted: int = 0  # the request's tokens told so far
-    freed: bool = False  # the request finished: a fill still waiting for its tokens waits no more
+    freed: bool = False  # the request finished: its rows are never used, and a waiting fill needs no more of it
     terminated: bool = False  # matcher.is_terminated() after the tokens told (and rolled back)
 
 
@@ -91,17 +88,10 @@ class GrammarBackend:
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="tokenmill-grammar")
         # the steps' bitmasks, in the order the steps were scheduled
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
-        # notified when the tokens the waiting fill needs were told (or their requests freed), or at shutdown
-        self._told = threading.Condition()
-        self._awaited: dict[str, int] = {}  # the waiting fill's requests still short of tokens: how many it needs
-        # with fill_on_step_loop, the steps whose fills wait for tokens, in order: (the jobs, the Future the worker
-        # waits for, the requests still short of tokens); the step loop fills each once it told the last of them
-        self._step_fills: deque[tuple[list[_FillJob], Future[dict[str, np.ndarray]], dict[str, int]]] = deque()
-        # fills that wait for tokens (_fill), submitted (by the step loop) and done (by the fill thread): while
-        # none is in flight no thread reads a request's num_accepted but the step loop
-        self._fills_submitted = 0
-        self._fills_done = 0
-        self._closed = False
+        # the steps whose fills wait for tokens, in order (the step loop's alone): (the jobs, the Future the
+        # worker waits for, the requests still short of tokens: how many they need); each is filled once the last
+        # of them is told
+        self._waiting: deque[tuple[list[_FillJob], Future[dict[str, np.ndarray]], dict[str, int]]] = deque()
         self._compiled: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
         self._matchers: dict[str, _Matcher] = {}
         self.compile_seconds: dict[GrammarKey, float] = {}  # per grammar compiled (the first one includes setup)
@@ -191,15 +181,12 @@ class GrammarBackend:
             if self.fill_on_step_loop:
                 return self._batch_fill(matchers, rows, fresh, out)
             return self._fill_pool.submit(self._batch_fill, matchers, rows, fresh, out)
-        if self.fill_on_step_loop:
-            awaited = _short_of_tokens(jobs)
-            if not awaited:  # drafts, every token told
-                return self._fill_told(jobs)
-            future: Future[dict[str, np.ndarray]] = Future()
-            self._step_fills.append((jobs, future, awaited))
-            return future
-        self._fills_submitted += 1
-        return self._fill_pool.submit(self._fill, jobs)
+        awaited = _short_of_tokens(jobs)
+        if not awaited:  # drafts, every token told
+            return self._fill_told(jobs) if self.fill_on_step_loop else self._fill_pool.submit(self._fill_told, jobs)
+        future: Future[dict[str, np.ndarray]] = Future()
+        self._waiting.append((jobs, future, awaited))
+        return future
 
     def _batch_fill(self, matchers: list[Any], rows: np.ndarray, fresh: list[int],
                     out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -225,15 +212,6 @@ class GrammarBackend:
                 fresh.append(k)
             out[rid] = rows[k:k + 1]
         return out, rows, matchers, fresh
-
-    def _fill(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
-        try:
-            with self._told:  # woken once, when the last of them is told
-                self._awaited = _short_of_tokens(jobs)
-                self._told.wait_for(lambda: self._closed or not self._awaited)
-            return self._fill_told(jobs)
-        finally:
-            self._fills_done += 1
 
     def _fill_told(self, jobs: list[_FillJob]) -> dict[str, np.ndarray]:
         out, rows, matchers, fresh = self._lay_out(jobs)
@@ -274,17 +252,9 @@ class GrammarBackend:
         try:
             return self._accept(request.request_id, state, token_ids)
         finally:
-            if self._step_fills:
-                state.num_accepted += len(token_ids)
-                self._tell_step_fills(request.request_id, state.num_accepted)
-            elif self._fills_submitted != self._fills_done:
-                with self._told:
-                    state.num_accepted += len(token_ids)
-                    before = self._awaited.get(request.request_id)
-                    if before is not None and state.num_accepted >= before:
-                        self._told_enough(request.request_id)
-            else:
-                state.num_accepted += len(token_ids)
+            state.num_accepted += len(token_ids)
+            if self._waiting:
+                self._tell_waiting(request.request_id, state.num_accepted)
 
     def _accept(self, request_id: str, state: _Matcher, token_ids: list[int]) -> bool:
         state.next_mask = None
@@ -309,37 +279,29 @@ class GrammarBackend:
     def free(self, request_id: str) -> None:
         state = self._matchers.pop(request_id, None)
         if state is not None:
-            if self._step_fills:
-                state.freed = True
-                self._tell_step_fills(request_id, None)
-                return
-            with self._told:
-                state.freed = True
-                if request_id in self._awaited:
-                    self._told_enough(request_id)
+            state.freed = True
+            if self._waiting:
+                self._tell_waiting(request_id, None)
 
-    def _tell_step_fills(self, request_id: str, num_accepted: int | None) -> None:
-        """The request has num_accepted tokens told (None: it was freed): fill, on the step loop, each step
-        in turn that now has every token it waits for."""
-        for _, _, awaited in self._step_fills:
+    def _tell_waiting(self, request_id: str, num_accepted: int | None) -> None:
+        """The request has num_accepted tokens told (None: it was freed): fill each waiting step in turn that now
+        has every token it needs, here or on the fill thread."""
+        for _, _, awaited in self._waiting:
             before = awaited.get(request_id)
             if before is not None and (num_accepted is None or num_accepted >= before):
                 del awaited[request_id]
-        while self._step_fills and not self._step_fills[0][2]:
-            jobs, future, _ = self._step_fills.popleft()
-            self._complete(future, jobs)
+        while self._waiting and not self._waiting[0][2]:
+            jobs, future, _ = self._waiting.popleft()
+            if self.fill_on_step_loop:
+                self._complete(future, jobs)
+            else:
+                self._fill_pool.submit(self._complete, future, jobs)
 
     def _complete(self, future: Future[dict[str, np.ndarray]], jobs: list[_FillJob]) -> None:
         try:
             future.set_result(self._fill_told(jobs))
         except Exception as e:  # (the library's): the worker that waits for the Future raises it
             future.set_exception(e)
-
-    def _told_enough(self, request_id: str) -> None:
-        """(holding _told) The waiting fill needs nothing more of the request: wake it if it needs no more."""
-        del self._awaited[request_id]
-        if not self._awaited:
-            self._told.notify_all()
 
     # ---- for speculative decoding ------------------------------------------------------------
     def validate_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
@@ -367,11 +329,8 @@ class GrammarBackend:
             state.num_accepted -= num_tokens
 
     def shutdown(self) -> None:
-        with self._told:
-            self._closed = True
-            self._told.notify_all()
-        while self._step_fills:  # filled as the requests stand: no worker waits for them forever
-            jobs, future, _ = self._step_fills.popleft()
+        while self._waiting:  # filled here, as the requests stand: no worker waits for them forever
+            jobs, future, _ = self._waiting.popleft()
             self._complete(future, jobs)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
