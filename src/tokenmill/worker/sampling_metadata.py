@@ -121,7 +121,7 @@ class SamplingMetadata:
                 try:
                     masks = done.result()
                     if masks:
-                        rows.copy_(_assemble_bitmask(self, req_ids, masks, None))
+                        _bitmask_rows(self, req_ids, masks, rows.numpy())
                     else:
                         rows.fill_(-1)
                 except BaseException as e:  # the fill's error, or this one: take_written raises it
@@ -319,16 +319,23 @@ class SamplingTable:
 def _assemble_bitmask(meta: SamplingMetadata, req_ids: Sequence[str], bitmasks: dict[str, np.ndarray],
                       device: torch.device | None) -> torch.Tensor:
     """[R, words] int32: each constrained request's rows from its bitmask, every bit set elsewhere."""
-    if len(bitmasks) == len(req_ids):  # every request constrained: their rows, in order
-        return torch.from_numpy(np.concatenate([bitmasks[rid] for rid in req_ids])).to(device or "cpu")
     words = next(iter(bitmasks.values())).shape[-1]
-    out = np.full((meta.num_rows, words), -1, np.int32)
+    return torch.from_numpy(_bitmask_rows(meta, req_ids, bitmasks, np.empty((meta.num_rows, words), np.int32))
+                            ).to(device or "cpu")
+
+
+def _bitmask_rows(meta: SamplingMetadata, req_ids: Sequence[str], bitmasks: dict[str, np.ndarray],
+                  out: np.ndarray) -> np.ndarray:
+    """_assemble_bitmask's rows, written into out ([R, words] int32)."""
+    if len(bitmasks) == len(req_ids):  # every request constrained: their rows, in order
+        return np.concatenate([bitmasks[rid] for rid in req_ids], out=out)
+    out.fill(-1)
     first = meta.first_rows
     position = {rid: k for k, rid in enumerate(req_ids)}
     for rid, mask in bitmasks.items():
         row = first[position[rid]]
         out[row:row + mask.shape[0]] = mask
-    return torch.from_numpy(out).to(device or "cpu")
+    return out
 
 
 def metadata_for(rows: Sequence[SamplingRow], drafts: dict[int, list[int]] | None = None,
