@@ -471,11 +471,7 @@ void wait_for_flag(const at::Tensor& flag) {
               "bitmask_ready must be an int32 [1]");
   const int32_t* p = flag.data_ptr<int32_t>();
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t spins = 0; __atomic_load_n(p, __ATOMIC_ACQUIRE) == 0; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-      continue;
-    }
+  while (__atomic_load_n(p, __ATOMIC_ACQUIRE) == 0) {
     const auto waited = std::chrono::steady_clock::now() - start;
     TORCH_CHECK(waited < kBitmaskWait, "the step's token bitmask was not filled within ",
                 std::chrono::duration_cast<std::chrono::seconds>(kBitmaskWait).count(), " s");
