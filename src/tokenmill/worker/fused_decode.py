@@ -194,14 +194,14 @@ class FusedDecode:
         return out
 
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
+               bitmask: torch.Tensor | None = None, bitmask_ready: torch.Tensor | None = None) -> torch.Tensor | None:
         """Each row's argmax token of a pure-decode step whose rows are all plain greedy (over the tokens
-        each row's bitmask allows, where one is given), or None where the lm_head is not packed (the caller
-        takes the Python path then)."""
+        each row's bitmask allows, where one is given; with bitmask_ready, once that flag is set), or None where
+        the lm_head is not packed (the caller takes the Python path then)."""
         if self._lm_head is None:
             return None
         ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
-                                                   *self._lm_head, bitmask)
+                                                   *self._lm_head, bitmask, bitmask_ready)
         return ids
 
     def greedy_awaiting(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -212,8 +212,7 @@ class FusedDecode:
         if self._lm_head is None:
             return None
         rows, ready = sampling.bitmask_written(words, self.ops.release_flag)
-        ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
-                                                   *self._lm_head, rows, ready)
+        ids = self.greedy(input_ids, positions, meta, rows, ready)
         sampling.take_written(rows)
         return ids
 
