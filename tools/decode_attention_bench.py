@@ -13,6 +13,9 @@ Three cases, the 100M model's attention shape (12 query heads, 4 kv heads, head 
   the pool, as a long-running engine hands them out;
 - ``contiguous``: the same, each sequence's blocks one after another.
 
+``--kv-dtype int8`` times the quantized cache's kernel (``paged_attention_quant``) on int8 K/V with a
+float32 scale per token and kv head, counting the scales in the bytes read.
+
 Compare the figures with `tokenmill bench roofline`'s ``mem_read_GBps`` (a sequential read): the
 gap between ``hot`` and that says whether the kernel is compute-bound, the gap between ``scattered`` and
 ``contiguous`` what scattered blocks cost. Medians of --reps timings.
@@ -43,8 +46,14 @@ def build(batch: int, context: int, layers: int, contiguous: bool, args: argpars
     order = torch.arange(pool) if contiguous else torch.randperm(pool, generator=gen)
     shape = (2, pool, bs, args.kv_heads, args.head_dim)
     # in 2 MiB pages where the kernel has them, as the engine's KV pool is (tokenmill.worker.memory)
-    caches = [zeros_lazily(shape, torch.bfloat16, torch.device("cpu")).copy_(torch.randn(*shape, generator=gen))
-              for _ in range(layers)]
+    if args.kv_dtype == "int8":
+        caches = [(zeros_lazily(shape, torch.int8, torch.device("cpu")).copy_(
+                       torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)),
+                   torch.rand(shape[:4], generator=gen) / 64)
+                  for _ in range(layers)]
+    else:
+        caches = [(zeros_lazily(shape, torch.bfloat16, torch.device("cpu")).copy_(torch.randn(*shape, generator=gen)),
+                   None) for _ in range(layers)]
     return {
         "q": torch.randn(batch, args.heads, args.head_dim, generator=gen).bfloat16(),
         "caches": caches,
@@ -61,6 +70,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-dtype", choices=("bf16", "int8"), default="bf16")
     args = p.parse_args()
     ops = load_cpu_kernels()
     if ops is None:
@@ -69,12 +79,17 @@ def main() -> None:
     scale = args.head_dim ** -0.5
     for name, (batch, context, layers, contiguous, passes) in CASES.items():
         case = build(batch, context, layers, contiguous, args)
-        read = int(case["lens"].sum()) * args.kv_heads * args.head_dim * 2 * 2 * layers * passes  # K and V, bf16
+        per_token = args.kv_heads * (args.head_dim * 2 if args.kv_dtype == "bf16" else args.head_dim + 4)
+        read = int(case["lens"].sum()) * per_token * 2 * layers * passes  # K and V (int8: with their scales)
 
         def run(case: dict[str, Any] = case, passes: int = passes) -> float:
             start = time.perf_counter()
-            for cache in case["caches"] * passes:
-                ops.paged_decode(case["q"], cache[0], cache[1], case["tables"], case["lens"], scale, 0)
+            for cache, scales in case["caches"] * passes:
+                if scales is None:
+                    ops.paged_decode(case["q"], cache[0], cache[1], case["tables"], case["lens"], scale, 0)
+                else:
+                    ops.paged_attention_quant(case["q"], cache[0], cache[1], scales[0], scales[1], case["tables"],
+                                              case["lens"], scale, 0)
             return time.perf_counter() - start
 
         run()

@@ -245,10 +245,12 @@ void head_i16_init(HeadI16<DIM>& hs, const at::BFloat16* q, float scale) {
 }
 
 // NG query heads of one kv head over a tile of n <= 16 keys: K rows kt + j * row_len, V rows vt + j * row_len,
-// their scales ks[j * hk], vs[j * hk]; kpf / vpf: rows to prefetch (one per key) while the tile is worked on.
+// their scales ks[j * hk], vs[j * hk]; rows to prefetch (one per key) while the tile is worked on: kpf / vpf into
+// L1 (the next block's rows at the same place), kfar / vfar into L2 (the block after next's).
+
 template <int64_t DIM, int NG>
 void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_len, int64_t n, const float* ks,
-              const float* vs, int64_t hk, const char* kpf, const char* vpf) {
+              const float* vs, int64_t hk, const char* kpf, const char* vpf, const char* kfar, const char* vfar) {
   constexpr int NV = DIM / 32;  // zmm of int16 per row
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
   // scores: si[g][a] lane (L, k) sums key 4a + k over the dims of lane L
@@ -261,6 +263,7 @@ void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_
       for (int k = 0; k < 4; ++k) {
         const int64_t j = 4 * a + k;
         if (c == 0) _mm_prefetch(kpf + j * row_len, _MM_HINT_T0);
+        if (c == 0) _mm_prefetch(kfar + j * row_len, _MM_HINT_T1);
         x[k] = j < n ? widen32(kt + j * row_len + c * 32) : _mm512_setzero_si512();
       }
       tokenmill::transpose4x4(x, u);
@@ -301,6 +304,8 @@ void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_
     for (int g = 0; g < NG; ++g) wv[g] = _mm512_set1_epi32(wpair[g][j / 2]);
     _mm_prefetch(vpf + j * row_len, _MM_HINT_T0);
     _mm_prefetch(vpf + (j + 1) * row_len, _MM_HINT_T0);
+    _mm_prefetch(vfar + j * row_len, _MM_HINT_T1);
+    _mm_prefetch(vfar + (j + 1) * row_len, _MM_HINT_T1);
     for (int c = 0; c < NV; ++c) {
       const __m512i a = widen32(vt + j * row_len + c * 32);
       const __m512i b = j + 1 < n ? widen32(vt + (j + 1) * row_len + c * 32) : _mm512_setzero_si512();
@@ -318,10 +323,22 @@ void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_
   }
 }
 
+// count K and V scales from slot's (none where slot < 0) toward the cache level HINT names
+template <_mm_hint HINT>
+inline void prefetch_scales(const float* ks, const float* vs, int64_t slot, int64_t count, int64_t hk) {
+  if (slot < 0) return;
+  for (int64_t off = 0; off < count; off += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(ks + slot * hk + off), HINT);
+    _mm_prefetch(reinterpret_cast<const char*>(vs + slot * hk + off), HINT);
+  }
+}
+
 // The integer path's work: one item per query row, or per (row, part of its kv heads) where rows are too few
 // to keep every thread busy. Each tile of 16 keys is taken for all kv heads of the item in turn, so that a
 // token's K and V rows are read whole, once; the next block's rows at the same place are prefetched one at
-// a time with this tile's loads (a burst of a whole block's prefetches stalls the loads needed now).
+// a time with this tile's loads (a burst of a whole block's prefetches stalls the loads needed now), into
+// L1, and the block after next's into L2. The K and V scales of those two blocks, which the tiles' gathers
+// read, are prefetched as each block starts.
 template <int64_t DIM>
 void attend_i16(const at::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, const int8_t* kc, const int8_t* vc,
                 const float* ks, const float* vs, const int32_t* tables, const int32_t* lens, at::BFloat16* out,
@@ -344,20 +361,24 @@ void attend_i16(const at::BFloat16* q, int64_t q_row_stride, int64_t q_head_stri
         const int64_t p0 = std::max(start, bi * bs), rows = std::min(len, (bi + 1) * bs) - p0;
         const int64_t slot0 = static_cast<int64_t>(table[bi]) * bs + (p0 - bi * bs);
         const int64_t next = bi < last ? static_cast<int64_t>(table[bi + 1]) * bs + (p0 - bi * bs) : -1;
+        const int64_t next2 = bi + 1 < last ? static_cast<int64_t>(table[bi + 2]) * bs + (p0 - bi * bs) : -1;
+        prefetch_scales<_MM_HINT_T1>(ks, vs, next2, rows * hk, hk);
+        prefetch_scales<_MM_HINT_T0>(ks, vs, next, rows * hk, hk);
         for (int64_t t = 0; t < rows; t += KTILE) {
           const int64_t n = std::min(KTILE, rows - t), slot = slot0 + t;
           for (int64_t kh = kh0; kh < kh1; ++kh) {
             const int64_t here = slot * row_len + kh * DIM, ahead = next >= 0 ? (next + t) * row_len + kh * DIM : here;
-            const char* kpf = reinterpret_cast<const char*>(kc + ahead);
-            const char* vpf = reinterpret_cast<const char*>(vc + ahead);
+            const int64_t far = next2 >= 0 ? (next2 + t) * row_len + kh * DIM : ahead;
+            const char *kpf = reinterpret_cast<const char*>(kc + ahead), *vpf = reinterpret_cast<const char*>(vc + ahead);
+            const char *kfar = reinterpret_cast<const char*>(kc + far), *vfar = reinterpret_cast<const char*>(vc + far);
             for (int64_t g = 0; g < group; g += NGMAX) {
               HeadI16<DIM>* hg = hs.data() + kh * group + g;
               const float *ksp = ks + slot * hk + kh, *vsp = vs + slot * hk + kh;
               switch (std::min<int64_t>(NGMAX, group - g)) {
-                case 1: tile_i16<DIM, 1>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
-                case 2: tile_i16<DIM, 2>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
-                case 3: tile_i16<DIM, NGMAX < 3 ? 1 : 3>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
-                default: tile_i16<DIM, NGMAX>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf); break;
+                case 1: tile_i16<DIM, 1>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf, kfar, vfar); break;
+                case 2: tile_i16<DIM, 2>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf, kfar, vfar); break;
+                case 3: tile_i16<DIM, NGMAX < 3 ? 1 : 3>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf, kfar, vfar); break;
+                default: tile_i16<DIM, NGMAX>(hg, kc + here, vc + here, row_len, n, ksp, vsp, hk, kpf, vpf, kfar, vfar); break;
               }
             }
           }
