@@ -16,7 +16,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SPECULATIVE_METHODS, EngineArgs, SpeculativeConfig
-from tokenmill.spec_decode.adaptive import GATE_PROBE_EVERY, SpecDecoder, adaptive_k
+from tokenmill.spec_decode.adaptive import GATE_PROBE_EVERY, CostGate, SpecDecoder, adaptive_k
 from tokenmill.spec_decode.proposer import ProposalInput
 from tokenmill.spec_decode.registry import PROPOSERS
 
@@ -128,6 +128,17 @@ def test_the_cost_gate_proposes_where_drafted_steps_take_more_tokens_a_second(sp
     # a batch of 2 is its own bucket: it starts by proposing; a step without a time is not measured
     assert decoder.propose(ProposalInput(["a", "b"], [[1], [2]], [1, 1], step_s=None))
     assert decoder.gate is not None and decoder.gate.buckets[2].plain.steps == 0
+
+
+def test_one_slow_step_does_not_turn_the_cost_gate() -> None:
+    """Drafted steps take 3 tokens in 4 s, plain ones 1 token in 1 s: plain pays, and one plain step of 100 s
+    (the host pausing the process) leaves it so: each mode's rate is the median of its recent steps."""
+    gate = CostGate()
+    for verified in [True] * 3 + [False] * 3:
+        gate.observe(1, 3 if verified else 1, 4.0 if verified else 1.0, verified)
+    assert not gate.pays(1)
+    gate.observe(1, 1, 100.0, False)
+    assert not gate.pays(1)
 
 
 def test_the_cost_gate_leaves_out_a_proposers_catch_up() -> None:

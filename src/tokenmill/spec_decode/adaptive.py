@@ -12,10 +12,12 @@ bound by compute (large ones): every draft is a row the target computes. Per ste
 
 On top of that, a measured gate (`CostGate`) per batch size (its power of two): the tokens a second
 of steps that verified drafts (the step's time, plus the proposing that drafted them) against steps that
-did not. A proposer that runs a model of its own reports the part of its proposing spent catching that model
-up on tokens it has not seen (`catchup_s`: after steps without drafts, a request's new tokens); the gate leaves
-it out, since it is paid once when proposing resumes, not in every drafted step, and counting it would hold
-the gate on the plain side after every probe. Where proposing is measured slower, the method proposes
+did not, each mode's rate the median of its last GATE_WINDOW steps' (one slow step, a pause of the host's,
+must not turn the gate, whose other mode is measured again only at its next probe). A proposer that runs a
+model of its own reports the part of its proposing spent catching that model up on tokens it has not seen
+(`catchup_s`: after steps without drafts, a request's new tokens); the gate leaves it out, since it is paid
+once when proposing resumes, not in every drafted step, and counting it would hold the gate on the plain
+side after every probe. Where proposing is measured slower, the method proposes
 nothing in that bucket, with one step in GATE_PROBE_EVERY spent on the other mode so that its estimate can
 recover. Steps with prefill rows are not measured.
 
@@ -24,7 +26,9 @@ drafted from it by prompt lookup, whatever the configured method and without the
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,21 +49,23 @@ class _Acceptance:
     idle: int = 0  # steps since the request last got a draft
 
 
-GATE_DECAY = 0.9  # the weight of a bucket's earlier steps in its rates, per step measured
+GATE_WINDOW = 9  # the steps of each mode whose median rate a bucket compares
 GATE_MIN_STEPS = 3  # steps of each mode a bucket measures before it chooses
 GATE_PROBE_EVERY = 32  # one step in this many runs the mode the gate did not choose
 
 
 @dataclass
 class _Rate:
-    tokens: float = 0.0
-    seconds: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=GATE_WINDOW))  # tokens a second, per step
     steps: int = 0
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.tokens = self.tokens * GATE_DECAY + tokens
-        self.seconds = self.seconds * GATE_DECAY + seconds
+        self.recent.append(tokens / max(seconds, 1e-9))
         self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.recent)
 
 
 @dataclass
@@ -90,7 +96,7 @@ class CostGate:
             return True
         if plain.steps < GATE_MIN_STEPS:
             return False
-        better = spec.tokens * plain.seconds >= plain.tokens * spec.seconds
+        better = spec.rate >= plain.rate
         return better != (bucket.decisions % GATE_PROBE_EVERY == 0)  # a probe of the other mode
 
 
