@@ -57,11 +57,14 @@ GATE_PROBE_EVERY = 32  # one step in this many runs the mode the gate did not ch
 @dataclass
 class _Rate:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=GATE_WINDOW))  # tokens a second, per step
-    steps: int = 0
 
     def add(self, tokens: int, seconds: float) -> None:
         self.recent.append(tokens / max(seconds, 1e-9))
-        self.steps += 1
+
+    @property
+    def steps(self) -> int:
+        """The steps measured, up to GATE_WINDOW (GATE_MIN_STEPS is below it)."""
+        return len(self.recent)
 
     @property
     def rate(self) -> float:

@@ -247,7 +247,6 @@ void head_i16_init(HeadI16<DIM>& hs, const at::BFloat16* q, float scale) {
 // NG query heads of one kv head over a tile of n <= 16 keys: K rows kt + j * row_len, V rows vt + j * row_len,
 // their scales ks[j * hk], vs[j * hk]; rows to prefetch (one per key) while the tile is worked on: kpf / vpf into
 // L1 (the next block's rows at the same place), kfar / vfar into L2 (the block after next's).
-
 template <int64_t DIM, int NG>
 void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_len, int64_t n, const float* ks,
               const float* vs, int64_t hk, const char* kpf, const char* vpf, const char* kfar, const char* vfar) {
@@ -323,7 +322,8 @@ void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_
   }
 }
 
-// count K and V scales from slot's (none where slot < 0) toward the cache level HINT names
+// count K and V scales from slot's on (none where slot < 0) toward the cache level HINT names; the caller passes
+// the current block's count for the next ones (only a context's last block is shorter)
 template <_mm_hint HINT>
 inline void prefetch_scales(const float* ks, const float* vs, int64_t slot, int64_t count, int64_t hk) {
   if (slot < 0) return;
