@@ -10,8 +10,11 @@
 //   The weight block must fit in L2 beside the prefetched next one, so for K over kTiledMaxK (the 1.1B
 //   model's down projection) oneDNN keeps more than 4 rows.
 // - Where this process may run AMX-BF16 (tokenmill::amx_bf16_permitted), oneDNN's AMX kernels outrun both loops
-//   from a few rows up (4 rows: 1.2-1.5x faster; 64 rows: 9-13x, on an AMX Xeon), so this kernel keeps only
-//   up to kGemvRowsAmx rows there, where reading the weight is all the work.
+//   from a few rows up (4 rows: 1.2-1.5x faster; 64 rows: 9-13x, on an AMX Xeon). There this kernel takes 1 to
+//   kAmxRows rows (a tile's 16) with AMX tiles of its own instead (amx_blocks: one tile of x's rows against the
+//   packed weight read in place, so that the weight is read once for all of them without oneDNN's per-call
+//   work, which is most of a small product's time when the weight sits in cache; at 1-2 rows it also reads
+//   the weight faster than the row loop), and leaves more rows to oneDNN.
 //
 // The packed layout is oneDNN's AB16b64a2b for a weight [N, K]: blocks of 64 outputs, each
 // holding all of K as chunks of 32 k, a chunk being 16 k-pairs x 64 outputs x 2; N is padded to
@@ -37,7 +40,7 @@ namespace {
 
 constexpr int64_t kBlockN = 64, kBlockK = 32;
 constexpr int64_t kGemvRows = 4;     // up to this many rows: gemv_blocks, no software prefetch
-constexpr int64_t kGemvRowsAmx = 2;  // with AMX-BF16 usable, the most rows this kernel takes
+constexpr int64_t kAmxRows = 16;     // with AMX-BF16 usable, the most rows this kernel takes (amx_blocks): a tile's
 constexpr int64_t kTileRows = 6;     // the tiled path's rows per tile (24 accumulators, 4 weight registers)
 constexpr int64_t kTiledMaxK = 2048; // the tiled path's largest padded K: a 256 KiB weight block
 constexpr int64_t kChunkBytes = 256 << 10;  // the tiled path's rows of x at a time (for a 1 MiB L2, Zen 5's)
@@ -172,6 +175,70 @@ void gemm(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t
   });
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define TOKENMILL_GEMV_AMX 1
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// M (<= kAmxRows) rows of x times blocks [nb0, nb1) of 64 outputs, with AMX-BF16 tiles, in the calling
+// thread (each thread configures its own tiles). Per chunk of 32 k: x's M x 32 slice is tile 4 (A); the
+// chunk's 16 k-pairs of each 16 outputs are 64 bytes 256 apart in AB16b64a2b, so tileloadd reads them as a
+// B tile in place (tiles 5-7, in turn); the four 16-output accumulators are tiles 0-3 (float32). Per
+// output: fp32 sums of the pairs' exact products, then the bias, rounded once to bf16 (as block_dot).
+void amx_blocks(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t M, int64_t N,
+                const uint16_t* bias, uint16_t* y, int64_t nb0, int64_t nb1) {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64, cfg.rows[t] = static_cast<uint8_t>(M);
+  for (int t = 5; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+  alignas(64) float out[kAmxRows * kBlockN];  // row m: the block's 64 sums
+  const int64_t xstride = ldx * 2, chunks = Kp / kBlockK;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const uint16_t* wb = w + nb * kBlockN * Kp;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint16_t* wc = wb + c * kBlockK * kBlockN;
+      _tile_loadd(4, x + c * kBlockK, xstride);
+      _tile_loadd(5, wc, 256);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, wc + 32, 256);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, wc + 64, 256);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, wc + 96, 256);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, out, kBlockN * 4);
+    _tile_stored(1, out + 16, kBlockN * 4);
+    _tile_stored(2, out + 32, kBlockN * 4);
+    _tile_stored(3, out + 48, kBlockN * 4);
+    const int64_t n0 = nb * kBlockN;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = n0 + 16 * j;
+      if (n >= N) break;
+      const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n)) - 1);
+      const __m512 b = bias == nullptr ? _mm512_setzero_ps()
+                           : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n)), 16));
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 acc = _mm512_load_ps(out + m * kBlockN + 16 * j);
+        _mm256_mask_storeu_epi16(y + m * N + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // x [M, K] bf16, weight packed by mkldnn::_reorder_linear_weight for a [N, K] weight,
 // bias [N] bf16 or none -> [M, N] bf16
 at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -189,7 +256,12 @@ bool has_packed_gemv() { return true; }
 int64_t tokenmill::packed_gemv_bytes(int64_t N, int64_t K) { return padded(N, kBlockN) * padded(K, kBlockK) * 2; }
 
 int64_t tokenmill::packed_gemv_max_rows(int64_t K) {
-  if (tokenmill::amx_bf16_permitted()) return kGemvRowsAmx;
+#ifdef TOKENMILL_GEMV_AMX
+  if (tokenmill::amx_bf16_permitted()) return kAmxRows;
+#else
+  // built without AMX (a compiler that lacks it): the row loop keeps the 1-2 rows it reads faster than oneDNN
+  if (tokenmill::amx_bf16_permitted()) return 2;
+#endif
   return padded(K, kBlockK) <= kTiledMaxK ? std::numeric_limits<int64_t>::max() : kGemvRows;
 }
 
@@ -218,6 +290,14 @@ at::Tensor tokenmill::packed_gemv_at(const uint16_t* w, const at::Tensor& x, int
     xp = xpad.data();
     ldx = Kp;
   }
+#ifdef TOKENMILL_GEMV_AMX
+  if (M <= kAmxRows && tokenmill::amx_bf16_permitted()) {
+    at::parallel_for(0, Np / kBlockN, 1, [&](int64_t nb0, int64_t nb1) {
+      amx_blocks(w, xp, ldx, Kp, M, N, bp, yp, nb0, nb1);
+    });
+    return y;
+  }
+#endif
   if (M > kGemvRows) {
     gemm(w, xp, ldx, Kp, M, N, bp, yp);
     return y;
