@@ -12,8 +12,11 @@ bound by compute (large ones): every draft is a row the target computes. Per ste
 
 On top of that, a measured gate (`CostGate`) per batch size (its power of two): the tokens a second
 of steps that verified drafts (the step's time, plus the proposing that drafted them) against steps that
-did not, each mode's rate the median of its last GATE_WINDOW steps' (one slow step, a pause of the host's,
-must not turn the gate, whose other mode is measured again only at its next probe). A proposer that runs a
+did not, each mode's rate its last GATE_WINDOW steps' tokens over their seconds. A ratio of sums, not a
+typical step's rate: acceptance comes in runs (a quoted passage copied, then nothing), and the rate of a
+typical step follows the steps that took one token however many the others took. A step that took over
+GATE_OUTLIER times the window's median seconds is left out (a pause of the host's must not turn the gate,
+whose other mode is measured again only at its next probe). A proposer that runs a
 model of its own reports the part of its proposing spent catching that model up on tokens it has not seen
 (`catchup_s`: after steps without drafts, a request's new tokens); the gate leaves it out, since it is paid
 once when proposing resumes, not in every drafted step, and counting it would hold the gate on the plain
@@ -49,17 +52,18 @@ class _Acceptance:
     idle: int = 0  # steps since the request last got a draft
 
 
-GATE_WINDOW = 9  # the steps of each mode whose median rate a bucket compares
+GATE_WINDOW = 9  # the steps of each mode whose rate a bucket compares
+GATE_OUTLIER = 3.0  # a step over this many times its window's median seconds is left out of the rate
 GATE_MIN_STEPS = 3  # steps of each mode a bucket measures before it chooses
 GATE_PROBE_EVERY = 32  # one step in this many runs the mode the gate did not choose
 
 
 @dataclass
 class _Rate:
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=GATE_WINDOW))  # tokens a second, per step
+    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=GATE_WINDOW))  # (tokens, seconds)
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.recent.append(tokens / max(seconds, 1e-9))
+        self.recent.append((tokens, max(seconds, 1e-9)))
 
     @property
     def steps(self) -> int:
@@ -68,7 +72,10 @@ class _Rate:
 
     @property
     def rate(self) -> float:
-        return statistics.median(self.recent)
+        """Tokens a second over the window, without its outliers (at least half the steps are kept)."""
+        limit = GATE_OUTLIER * statistics.median(s for _, s in self.recent)
+        kept = [(t, s) for t, s in self.recent if s <= limit]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
 
 @dataclass
