@@ -1,5 +1,5 @@
 """The unquantized linear method's packed oneDNN path (CPU bf16) and the C++ GEMV it uses where that is
-faster (1-4 rows; any number of rows for K up to 2048, in tiles; 1-16 rows in AMX tiles where AMX-BF16 is
+faster (1-4 rows; any number of rows for K up to 2048, in tiles; 1-32 rows in AMX tiles where AMX-BF16 is
 usable), against plain nn.Linear, their reference; and the layers' shard loading."""
 
 from __future__ import annotations
@@ -153,25 +153,25 @@ def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ..
 
 @needs_gemv
 @pytest.mark.parametrize("out_features,in_features", [(70, 33), (200, 96), (64, 32), (5, 1)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 64, 301])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 24, 32, 33, 64, 301])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_reference(out_features: int, in_features: int, rows: int, bias: bool) -> None:
     """1-4 rows take the GEMV's row loop, more take its tiles of 6 (full tiles and every tail size); where
-    AMX-BF16 is usable, 1-16 rows take its AMX tiles instead. Every row count is given to the kernel, whatever
-    it takes by itself on this CPU."""
+    AMX-BF16 is usable, 1-16 rows take one AMX tile of rows instead and 17-32 two. Every row count is given to
+    the kernel, whatever it takes by itself on this CPU."""
     assert _gemv_vs_reference(out_features, in_features, (rows,), bias, max_rows=2**40) == 1
 
 
 @needs_gemv
 @pytest.mark.parametrize("rows,gemv,gemv_amx", [(1, True, True), (2, True, True), (4, True, True),
-                                               (5, False, True), (16, False, True), (17, False, False),
-                                               (64, False, False)])
+                                               (5, False, True), (16, False, True), (17, False, True),
+                                               (32, False, True), (33, False, False), (64, False, False)])
 def test_gemv_leaves_large_k_beyond_four_rows_to_onednn(rows: int, gemv: bool, gemv_amx: bool) -> None:
     """K past 2048 (padded): the weight block no longer fits L2 beside the next one, so oneDNN takes
-    more than 4 rows. Where AMX-BF16 is usable, the kernel's AMX tiles take up to 16 rows at any K (they
+    more than 4 rows. Where AMX-BF16 is usable, the kernel's AMX tiles take up to 32 rows at any K (they
     stream the weight once), and oneDNN more."""
     if OPS.gemv_sees_amx_bf16():
-        assert OPS.packed_gemv_max_rows(2080) == OPS.packed_gemv_max_rows(64) == 16
+        assert OPS.packed_gemv_max_rows(2080) == OPS.packed_gemv_max_rows(64) == 32
         gemv = gemv_amx
     else:
         assert OPS.packed_gemv_max_rows(2080) == 4 and OPS.packed_gemv_max_rows(2048) > 2**40
@@ -196,7 +196,7 @@ def test_gemv_model_shapes(out_features: int, rows: int, bias: bool) -> None:
 
 @needs_gemv
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("rows", [3, 50])
+@pytest.mark.parametrize("rows", [3, 20, 50])
 def test_gemv_threads_split_the_blocks(threads: int, rows: int) -> None:
     """Threads take ranges of 64-output blocks, and with fewer than 4 blocks per thread (6 here) ranges
     of rows within them as well: the same numbers as one thread, bitwise."""

@@ -11,7 +11,7 @@
 //   model's down projection) oneDNN keeps more than 4 rows.
 // - Where this process may run AMX-BF16 (tokenmill::amx_bf16_permitted), oneDNN's AMX kernels outrun both loops
 //   from a few rows up (4 rows: 1.2-1.5x faster; 64 rows: 9-13x, on an AMX Xeon). There this kernel takes 1 to
-//   kAmxRows rows (a tile's 16) with AMX tiles of its own instead (amx_blocks: one tile of x's rows against the
+//   kAmxRows rows (two tiles' 32) with AMX tiles of its own instead (amx_blocks: tiles of x's rows against the
 //   packed weight read in place, so that the weight is read once for all of them without oneDNN's per-call
 //   work, which is most of a small product's time when the weight sits in cache; at 1-2 rows it also reads
 //   the weight faster than the row loop), and leaves more rows to oneDNN.
@@ -40,7 +40,7 @@ namespace {
 
 constexpr int64_t kBlockN = 64, kBlockK = 32;
 constexpr int64_t kGemvRows = 4;     // up to this many rows: gemv_blocks, no software prefetch
-constexpr int64_t kAmxRows = 16;     // with AMX-BF16 usable, the most rows this kernel takes (amx_blocks): a tile's
+constexpr int64_t kAmxRows = 32;     // with AMX-BF16 usable, the most rows this kernel takes (amx_blocks): two tiles'
 constexpr int64_t kTileRows = 6;     // the tiled path's rows per tile (24 accumulators, 4 weight registers)
 constexpr int64_t kTiledMaxK = 2048; // the tiled path's largest padded K: a 256 KiB weight block
 constexpr int64_t kChunkBytes = 256 << 10;  // the tiled path's rows of x at a time (for a 1 MiB L2, Zen 5's)
@@ -186,54 +186,93 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
+// sums [rows, 64] (a block's, row-major) plus the bias, rounded once to bf16, into y's rows of outputs n0..
+inline void store_sums(const float* sums, int64_t rows, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t N) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n = n0 + 16 * j;
+    if (n >= N) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n)) - 1);
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps()
+                         : _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n)), 16));
+    for (int64_t m = 0; m < rows; ++m) {
+      const __m512 acc = _mm512_load_ps(sums + m * kBlockN + 16 * j);
+      _mm256_mask_storeu_epi16(y + m * N + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
+    }
+  }
+}
+
 // M (<= kAmxRows) rows of x times blocks [nb0, nb1) of 64 outputs, with AMX-BF16 tiles, in the calling
-// thread (each thread configures its own tiles). Per chunk of 32 k: x's M x 32 slice is tile 4 (A); the
-// chunk's 16 k-pairs of each 16 outputs are 64 bytes 256 apart in AB16b64a2b, so tileloadd reads them as a
-// B tile in place (tiles 5-7, in turn); the four 16-output accumulators are tiles 0-3 (float32). Per
-// output: fp32 sums of the pairs' exact products, then the bias, rounded once to bf16 (as block_dot).
+// thread (each thread configures its own tiles). Per chunk of 32 k, x's rows' 32-k slice is an A tile (16
+// rows at most); the chunk's 16 k-pairs of each 16 outputs are 64 bytes 256 apart in AB16b64a2b, so
+// tileloadd reads them as a B tile in place; each A tile times each B tile accumulates into a float32 C
+// tile. Up to 16 rows: one A tile (4), B tiles 5-7 in turn, the four 16-output columns in C tiles 0-3.
+// 17-32 rows: two A tiles (4, 5) over two B tiles (6, 7) into C tiles 0-3, the block's 64 outputs in two
+// passes of 32 (every weight byte still read once: the second pass finds the block in L2). Per output:
+// fp32 sums of the pairs' exact products, then the bias, rounded once to bf16 (as block_dot).
 void amx_blocks(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t M, int64_t N,
                 const uint16_t* bias, uint16_t* y, int64_t nb0, int64_t nb1) {
+  const bool two = M > 16;
+  const uint8_t top = two ? 16 : static_cast<uint8_t>(M), rest = static_cast<uint8_t>(M - 16);
   AmxTileConfig cfg;
-  for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64, cfg.rows[t] = static_cast<uint8_t>(M);
-  for (int t = 5; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  if (two) {
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rest;
+  } else {
+    for (int t = 0; t < 5; ++t) cfg.rows[t] = top;
+  }
   _tile_loadconfig(&cfg);
   alignas(64) float out[kAmxRows * kBlockN];  // row m: the block's 64 sums
   const int64_t xstride = ldx * 2, chunks = Kp / kBlockK;
+  const uint16_t* x2 = x + 16 * ldx;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const uint16_t* wb = w + nb * kBlockN * Kp;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const uint16_t* wc = wb + c * kBlockK * kBlockN;
-      _tile_loadd(4, x + c * kBlockK, xstride);
-      _tile_loadd(5, wc, 256);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, wc + 32, 256);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, wc + 64, 256);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, wc + 96, 256);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, out, kBlockN * 4);
-    _tile_stored(1, out + 16, kBlockN * 4);
-    _tile_stored(2, out + 32, kBlockN * 4);
-    _tile_stored(3, out + 48, kBlockN * 4);
-    const int64_t n0 = nb * kBlockN;
-    for (int j = 0; j < 4; ++j) {
-      const int64_t n = n0 + 16 * j;
-      if (n >= N) break;
-      const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n)) - 1);
-      const __m512 b = bias == nullptr ? _mm512_setzero_ps()
-                           : _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n)), 16));
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512 acc = _mm512_load_ps(out + m * kBlockN + 16 * j);
-        _mm256_mask_storeu_epi16(y + m * N + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
+    if (!two) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* wc = wb + c * kBlockK * kBlockN;
+        _tile_loadd(4, x + c * kBlockK, xstride);
+        _tile_loadd(5, wc, 256);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, wc + 32, 256);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, wc + 64, 256);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, wc + 96, 256);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, out, kBlockN * 4);
+      _tile_stored(1, out + 16, kBlockN * 4);
+      _tile_stored(2, out + 32, kBlockN * 4);
+      _tile_stored(3, out + 48, kBlockN * 4);
+    } else {
+      for (int half = 0; half < 2; ++half) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const uint16_t* wc = wb + c * kBlockK * kBlockN + 64 * half;
+          _tile_loadd(4, x + c * kBlockK, xstride);
+          _tile_loadd(5, x2 + c * kBlockK, xstride);
+          _tile_loadd(6, wc, 256);
+          _tile_loadd(7, wc + 32, 256);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* o = out + 32 * half;
+        _tile_stored(0, o, kBlockN * 4);
+        _tile_stored(1, o + 16, kBlockN * 4);
+        _tile_stored(2, o + 16 * kBlockN, kBlockN * 4);
+        _tile_stored(3, o + 16 * kBlockN + 16, kBlockN * 4);
       }
     }
+    store_sums(out, M, bias, y, nb * kBlockN, N);
   }
   _tile_release();
 }
