@@ -190,6 +190,37 @@ def test_the_shipped_drafts_fused_steps_match_its_layer_loop(temperature: float)
     assert_fused_draft_matches_loop(target, draft, "auto", prompts, params)
 
 
+def test_the_shipped_drafts_fused_steps_give_each_request_its_own_number_of_drafts() -> None:
+    """Requests in one proposal that take 1, 4 and 2 drafts (the adaptive rule's max_drafts), each fused call
+    for the requests still drafting: the drafts equal the layer loop's, and the draft's cache follows each
+    request's tokens (a second proposal, after one draft taken and another token, agrees too)."""
+    from tokenmill.kernels import load_cpu_kernels
+    from tokenmill.spec_decode.proposer import ProposalInput
+
+    if load_cpu_kernels() is None:
+        pytest.skip("needs the C++ kernels")
+    target, draft_dir = (str(MODELS_DIR / name) for name in ("tokenmill-demo", "tokenmill-draft"))
+    results = []
+    for reference in (False, True):
+        llm = LLM(target, block_size=8, num_threads=1, kv_cache_memory="8MiB", async_scheduling=False,
+                  speculative_config=spec_config("draft_model", draft_dir, k=4, adaptive=False))
+        draft = llm.engine.core.executor.runner.proposer.proposer
+        if draft.fused is None:
+            pytest.skip("the draft model does not take the fused path on this machine")
+        draft.rows_reference = reference
+        texts = ("ROMEO.\nWhat light through", "KING.\nNow is the", "To be, or")
+        tokens = [llm.get_tokenizer().encode(text) for text in texts]
+        ids = ["a", "b", "c"]
+        first = draft.propose(ProposalInput(ids, tokens, [1, 1, 1], max_drafts=[1, 4, 2]))
+        grown = [t + first[rid][:1] + [7] for t, rid in zip(tokens, ids, strict=True)]  # one draft taken, then 7
+        second = draft.propose(ProposalInput(ids, grown, [2, 2, 2], max_drafts=[3, 3, 4]))
+        assert [len(first[r]) for r in ids] == [1, 4, 2] and [len(second[r]) for r in ids] == [3, 3, 4]
+        draft.finished(set(ids))
+        assert draft.num_free_blocks == draft.blocks.num_blocks
+        results.append((first, second))
+    assert results[0] == results[1]
+
+
 def assert_fused_draft_matches_loop(target: str, draft_dir: str, dtype: str, prompts: list[Any],
                                     params: list[SamplingParams]) -> None:
     from tokenmill.kernels import load_cpu_kernels
