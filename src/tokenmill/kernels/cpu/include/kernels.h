@@ -47,6 +47,15 @@ int64_t packed_gemv_max_rows(int64_t in_features);
 // tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process, as oneDNN asks too). roofline/peak.cpp.
 bool amx_bf16_permitted();
 
+// The AMX tile configuration ldtilecfg reads (palette 1): each tile's rows and bytes a row
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 // The most rows the layers give bf16w_gemv (the widening GEMV over a bf16 [N, K] weight under float32 rows);
 // past them they take bf16w_gemm. 0 where they are not built (no AVX2/FMA).
 int64_t bf16w_gemv_max_rows();

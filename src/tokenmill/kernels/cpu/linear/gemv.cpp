@@ -88,9 +88,10 @@ inline void block_dot(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t
   }
 }
 
-// acc + bias -> y rows (ldy apart) of outputs n0 .. n0 + 63 that are below N
-template <int M>
-inline void store_block(__m512 acc[M][4], const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t N) {
+// acc(m, j) (outputs n0 + 16 j .. + 15 of row m) + bias -> y rows (ldy apart) of outputs n0 .. n0 + 63 that are
+// below N, rounded once to bf16
+template <typename Acc>
+inline void store_rows(int64_t rows, Acc acc, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t N) {
   for (int j = 0; j < 4; ++j) {
     const int64_t n = n0 + 16 * j;
     if (n >= N) break;
@@ -99,11 +100,16 @@ inline void store_block(__m512 acc[M][4], const uint16_t* bias, uint16_t* y, int
     const __m512 b = bias == nullptr ? _mm512_setzero_ps()
                          : _mm512_castsi512_ps(_mm512_slli_epi32(
                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n)), 16));
-    for (int m = 0; m < M; ++m) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));
+    for (int64_t m = 0; m < rows; ++m) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc(m, j), b));
       _mm256_mask_storeu_epi16(y + m * ldy + n, mask, out);
     }
   }
+}
+
+template <int M>
+inline void store_block(__m512 acc[M][4], const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t N) {
+  store_rows(M, [&](int64_t m, int j) { return acc[m][j]; }, bias, y, ldy, n0, N);
 }
 
 template <int M>
@@ -178,30 +184,6 @@ void gemm(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define TOKENMILL_GEMV_AMX 1
 
-struct alignas(64) AmxTileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// sums [rows, 64] (a block's, row-major) plus the bias, rounded once to bf16, into y's rows of outputs n0..
-inline void store_sums(const float* sums, int64_t rows, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t N) {
-  for (int j = 0; j < 4; ++j) {
-    const int64_t n = n0 + 16 * j;
-    if (n >= N) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n)) - 1);
-    const __m512 b = bias == nullptr ? _mm512_setzero_ps()
-                         : _mm512_castsi512_ps(_mm512_slli_epi32(
-                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n)), 16));
-    for (int64_t m = 0; m < rows; ++m) {
-      const __m512 acc = _mm512_load_ps(sums + m * kBlockN + 16 * j);
-      _mm256_mask_storeu_epi16(y + m * N + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
-    }
-  }
-}
-
 // M (<= kAmxRows) rows of x times blocks [nb0, nb1) of 64 outputs, with AMX-BF16 tiles, in the calling
 // thread (each thread configures its own tiles). Per chunk of 32 k, x's rows' 32-k slice is an A tile (16
 // rows at most); the chunk's 16 k-pairs of each 16 outputs are 64 bytes 256 apart in AB16b64a2b, so
@@ -214,7 +196,7 @@ void amx_blocks(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, i
                 const uint16_t* bias, uint16_t* y, int64_t nb0, int64_t nb1) {
   const bool two = M > 16;
   const uint8_t top = two ? 16 : static_cast<uint8_t>(M), rest = static_cast<uint8_t>(M - 16);
-  AmxTileConfig cfg;
+  tokenmill::AmxTileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   if (two) {
     cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rest;
@@ -272,7 +254,8 @@ void amx_blocks(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, i
         _tile_stored(3, o + 16 * kBlockN + 16, kBlockN * 4);
       }
     }
-    store_sums(out, M, bias, y, nb * kBlockN, N);
+    store_rows(M, [&](int64_t m, int j) { return _mm512_load_ps(out + m * kBlockN + 16 * j); }, bias, y, N,
+               nb * kBlockN, N);
   }
   _tile_release();
 }

@@ -70,18 +70,10 @@ float bf16_dot_loop(int64_t iters) {
 #endif
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // 16384 FLOPs per tdpbf16ps (16 x 16 fp32 outputs, each a 32-deep bf16 dot product); four
 // accumulator tiles over two A and two B tiles, as a GEMM micro-kernel holds them
 float amx_bf16_loop(int64_t iters) {
-  TileConfig cfg;
+  tokenmill::AmxTileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
   alignas(64) uint16_t ab[16 * 32];
