@@ -206,7 +206,7 @@ void amx_blocks(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, i
   _tile_loadconfig(&cfg);
   alignas(64) float out[kAmxRows * kBlockN];  // row m: the block's 64 sums
   const int64_t xstride = ldx * 2, chunks = Kp / kBlockK;
-  const uint16_t* x2 = x + 16 * ldx;
+  const uint16_t* x2 = two ? x + 16 * ldx : x;  // rows 16.. (two tiles only)
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const uint16_t* wb = w + nb * kBlockN * Kp;
     if (!two) {
@@ -369,7 +369,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("onednn_rows(int rows) -> int", &tokenmill::onednn_rows);
   m.def("has_packed_gemv() -> bool", &has_packed_gemv);
   m.def("packed_gemv_max_rows(int in_features) -> int", &tokenmill::packed_gemv_max_rows);
-  m.def("gemv_sees_amx_bf16() -> bool", &tokenmill::amx_bf16_permitted);  // whether packed_gemv_max_rows yields to AMX
+  m.def("gemv_sees_amx_bf16() -> bool", &tokenmill::amx_bf16_permitted);  // whether AMX-BF16 is usable here
   m.def("packed_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
