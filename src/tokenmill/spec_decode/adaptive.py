@@ -16,13 +16,13 @@ did not, each mode's rate its last GATE_WINDOW steps' tokens over their seconds.
 typical step's rate: acceptance comes in runs (a quoted passage copied, then nothing), and the rate of a
 typical step follows the steps that took one token however many the others took. A step that took over
 GATE_OUTLIER times the window's median seconds is left out (a pause of the host's must not turn the gate,
-whose other mode is measured again only at its next probe). A proposer that runs a
-model of its own reports the part of its proposing spent catching that model up on tokens it has not seen
-(`catchup_s`: after steps without drafts, a request's new tokens); the gate leaves it out, since it is paid
-once when proposing resumes, not in every drafted step, and counting it would hold the gate on the plain
-side after every probe. Where proposing is measured slower, the method proposes
-nothing in that bucket, with one step in GATE_PROBE_EVERY spent on the other mode so that its estimate can
-recover. Steps with prefill rows are not measured.
+whose other mode is measured again only at its next probe). A proposer that runs a model of its own
+reports the part of its proposing spent catching that model up on tokens it has not seen (`catchup_s`: after
+steps without drafts, a request's new tokens); the gate leaves it out, since it is paid once when proposing
+resumes, not in every drafted step, and counting it would hold the gate on the plain side after every probe.
+Where proposing is measured slower, the method proposes nothing in that bucket, with one step in
+GATE_PROBE_EVERY spent on the other mode so that its estimate can recover. Steps with prefill rows are not
+measured.
 
 A request with a reference text (SamplingParams.prediction_token_ids, from OpenAI's `prediction`) is
 drafted from it by prompt lookup, whatever the configured method and without the rule."""
