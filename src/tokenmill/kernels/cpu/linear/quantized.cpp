@@ -214,53 +214,84 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
 
 // int4 weights (the packed layout, K a multiple of 128 and of nothing smaller than the group's 128)
 // against limbs s8 in the packed order: per 128 k, 64 bytes matching the low nibbles, then 64 matching
-// the high ones. xg [MR][G]: each row's per-group sums of 256 h + l, for the zero points.
-template <int MR, int NR>
+// the high ones. Zero points (zero non-null): xg [MR][G], each row's per-group sums of 256 h + l, come off
+// in fp32 per group. Symmetric (zero null): xz [MR][G][16], the int32 lanes of -8 * (256 h + l) summed as
+// dpbusd sums them (symmetric_lanes), start each group's l sums, so the 8 comes off in the integer sums.
+template <int MR, int NR, bool ZP>
 void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* xs, const float* xg,
-                    const uint8_t* w, const float* scale, const float* zero, int64_t group, int64_t n, float* y,
-                    int64_t ldy) {
+                    const int32_t* xz, const uint8_t* w, const float* scale, const float* zero, int64_t group,
+                    int64_t n, float* y, int64_t ldy) {
   const int64_t G = K / group, chunks = group / 128;
   const __m512i nib = _mm512_set1_epi8(0x0F);
+#ifdef __GFNI__
+  // GF(2) bit matrix moving each byte's bits 4-7 to bits 0-3 (result bit i = parity(row 7 - i & byte))
+  const __m512i high_nibble = _mm512_set1_epi64(0x1020408000000000LL);
+#endif
   __m512 f[MR][NR];
   float corr[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) f[r][j] = _mm512_setzero_ps(), corr[r][j] = 0.0f;
   for (int64_t g = 0; g < G; ++g) {
     __m512i ah[MR][NR], al[MR][NR];
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NR; ++j) ah[r][j] = _mm512_setzero_si512(), al[r][j] = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) {
+      const __m512i start = ZP ? _mm512_setzero_si512() : _mm512_loadu_si512(xz + (r * G + g) * 16);
+      for (int j = 0; j < NR; ++j) ah[r][j] = _mm512_setzero_si512(), al[r][j] = start;
+    }
     for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
-      __m512i lo[NR], hi[NR];
+      __m512i h0[MR], h1[MR], l0[MR], l1[MR];
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* ph = xh + r * K + c * 128;
+        const int8_t* pl = xl + r * K + c * 128;
+        h0[r] = _mm512_loadu_si512(ph), h1[r] = _mm512_loadu_si512(ph + 64);
+        l0[r] = _mm512_loadu_si512(pl), l1[r] = _mm512_loadu_si512(pl + 64);
+      }
+      // one weight row's nibbles at a time, so few registers hold them
       for (int j = 0; j < NR; ++j) {
         const uint8_t* wj = w + (n + j) * (K / 2) + c * 64;  // prefetched NR rows ahead, as int8_limb_rows
         _mm_prefetch(reinterpret_cast<const char*>(wj + NR * (K / 2)), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(wj);
-        lo[j] = _mm512_and_si512(v, nib);
-        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      }
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* ph = xh + r * K + c * 128;
-        const int8_t* pl = xl + r * K + c * 128;
-        const __m512i h0 = _mm512_loadu_si512(ph), h1 = _mm512_loadu_si512(ph + 64);
-        const __m512i l0 = _mm512_loadu_si512(pl), l1 = _mm512_loadu_si512(pl + 64);
-        for (int j = 0; j < NR; ++j) {
-          ah[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ah[r][j], lo[j], h0), hi[j], h1);
-          al[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(al[r][j], lo[j], l0), hi[j], l1);
+        const __m512i lo = _mm512_and_si512(v, nib);
+#ifdef __GFNI__
+        const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
+#else
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#endif
+        for (int r = 0; r < MR; ++r) {
+          ah[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ah[r][j], lo, h0[r]), hi, h1[r]);
+          al[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(al[r][j], lo, l0[r]), hi, l1[r]);
         }
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const float s = scale[(n + j) * G + g], sz = s * (zero ? zero[(n + j) * G + g] : 8.0f);
-      const __m512 sv = _mm512_set1_ps(s);
+      const __m512 sv = _mm512_set1_ps(scale[(n + j) * G + g]);
       for (int r = 0; r < MR; ++r) {
         const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(ah[r][j], 8), al[r][j]);
         f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, f[r][j]);
-        corr[r][j] += sz * xg[r * G + g];
+        if (ZP) corr[r][j] += scale[(n + j) * G + g] * zero[(n + j) * G + g] * xg[r * G + g];
       }
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = (_mm512_reduce_add_ps(f[r][j]) - corr[r][j]) * xs[r];
+}
+
+// xz for int4_limb_rows' symmetric case: per row and group, the 16 int32 lanes of -8 * (256 h + l) summed over
+// the group's chunks in dpbusd's lanes (lane i: bytes 4i..4i+3 of each 64-byte half)
+std::vector<int32_t> symmetric_lanes(const int8_t* xh, const int8_t* xl, int64_t M, int64_t K, int64_t group) {
+  const int64_t G = K / group;
+  std::vector<int32_t> out(M * G * 16);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 64) {
+        h = _mm512_dpbusd_epi32(h, ones, _mm512_loadu_si512(xh + m * K + k));
+        l = _mm512_dpbusd_epi32(l, ones, _mm512_loadu_si512(xl + m * K + k));
+      }
+      const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+      _mm512_storeu_si512(out.data() + (m * G + g) * 16, _mm512_mullo_epi32(v, _mm512_set1_epi32(-8)));
+    }
+  return out;
 }
 
 #else  // TM_QUANT_AVX2: the fp32 path's row kernels, 16-bit fixed point x against integer weights
@@ -575,19 +606,24 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       const int64_t b = (k % 128) / 16;
       return k / 128 * 128 + (b % 2) * 64 + (b / 2) * 16;
     }, group);
+    const std::vector<int32_t> xz = zp ? std::vector<int32_t>() : symmetric_lanes(xl.h.data(), xl.l.data(), M, K, group);
     std::vector<float> y(M * N);
     over_tiles(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t n1) {
       const int8_t* h = xl.h.data() + m * K;
       const int8_t* l = xl.l.data() + m * K;
       const float* s = xl.s.data() + m;
       const float* g = xl.g.data() + m * G;
+      const int32_t* z = zp ? nullptr : xz.data() + m * G * 16;
       float* ym = y.data() + m * N;
-#define TM_INT4(MR, NR)                                                                               \
+#define TM_INT4_ZP(MR, NR, ZP)                                                                        \
   n_blocks<MR, NR>(                                                                                   \
-      n0, n1, [&](int64_t n) { int4_limb_rows<MR, 1>(h, l, K, s, g, wp, sp, zp, group, n, ym, N); },    \
-      [&](int64_t n) { int4_limb_rows<MR, NR>(h, l, K, s, g, wp, sp, zp, group, n, ym, N); })
+      n0, n1, [&](int64_t n) { int4_limb_rows<MR, 1, ZP>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N); }, \
+      [&](int64_t n) { int4_limb_rows<MR, NR, ZP>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N); })
+#define TM_INT4(MR, NR)                                                                               \
+  if (zp) TM_INT4_ZP(MR, NR, true); else TM_INT4_ZP(MR, NR, false)
       TM_ROW_TILES(mr, TM_INT4)
 #undef TM_INT4
+#undef TM_INT4_ZP
     });
     return store_rows(y, M, N, bias, x);
   }
