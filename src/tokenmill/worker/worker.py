@@ -49,12 +49,16 @@ class Worker:
         self.pp = PipelineParallel()
         self.init_device(distributed_init)
         self.load_model()
+        if self.device.type == "cpu":
+            # after the load: under glibc's defaults the weights' large blocks are mapped and their repacking's
+            # freed originals go back to the OS; a heap that never trims would keep them (~0.15x of a 3B's
+            # weights in holes it could not reuse)
+            keep_freed_memory()
 
     def init_device(self, distributed_init: str | None = None) -> None:
         parallel = self.config.parallel
         if self.device.type == "cpu":  # each rank its share of the threads
             torch.set_num_threads(parallel.threads_per_rank(self.config.device.num_threads or default_num_threads()))
-            keep_freed_memory()
         if parallel.world_size > 1:
             if distributed_init is None:
                 raise ValueError("a worker of several ranks needs its group's rendezvous (distributed_init)")
