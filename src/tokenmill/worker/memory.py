@@ -52,8 +52,9 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def keep_freed_memory() -> bool:
     """Serve a step's activations (up to 32 MiB each) from the heap and never trim it: with glibc's
     defaults, blocks over 128 KiB are mmap'd and unmapped per tensor, so every step page-faults
-    its activations in again. Process-wide, so it is called in the worker's process only; a no-op
-    off glibc."""
+    its activations in again. Process-wide, so it is called in the worker's process only, and after the
+    model is loaded: a heap that never trims keeps every block freed before, such as the weights the
+    load repacks. A no-op off glibc."""
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False

@@ -49,10 +49,7 @@ class Worker:
         self.pp = PipelineParallel()
         self.init_device(distributed_init)
         self.load_model()
-        if self.device.type == "cpu":
-            # after the load: under glibc's defaults the weights' large blocks are mapped and their repacking's
-            # freed originals go back to the OS; a heap that never trims would keep them (~0.15x of a 3B's
-            # weights in holes it could not reuse)
+        if self.device.type == "cpu":  # after the load (keep_freed_memory says why)
             keep_freed_memory()
 
     def init_device(self, distributed_init: str | None = None) -> None:
