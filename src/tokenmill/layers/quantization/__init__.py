@@ -160,12 +160,16 @@ class QuantizedLinearMethod:
                 y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
                      else ref.w8a8_ref(rows, q, scales, k, bias))
         elif kernels is None or rows.shape[0] > KERNEL_MAX_ROWS:
-            w = (self.dequantized_weight(layer) if layout.input_perm is None
-                 else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size))
             x_in = rows if layout.input_perm is None else rows[:, layout.input_perm]
             if kernels is not None and rows.dtype == torch.bfloat16:  # oneDNN's bf16 product: see in_onednn_rows
+                # the reference's weight as linear_ref rounds it to bf16, made in one pass (in the checkpoint's column
+                # order where x_in is permuted)
+                aux = _t(layer, "zeros") if layout.scheme == "int4" else scales.new_empty(0)
+                w = kernels.dequantize_bf16(q, scales, aux, k, layout.group_size)
                 y = in_onednn_rows(lambda r: ref.linear_ref(r, w, bias), x_in)
             else:
+                w = (self.dequantized_weight(layer) if layout.input_perm is None
+                     else ref.dequantize_int4(q, scales, _t(layer, "zeros"), k, layout.group_size))
                 y = ref.linear_ref(x_in, w, bias)
         elif layout.scheme == "int8":
             y = kernels.int8_linear(rows, q, scales, _t(layer, "weight_sum"), bias)

@@ -183,3 +183,20 @@ def test_int8_and_int4_on_a_decoder_layer_shape() -> None:
     """One row against a 1.1B Llama's MLP shape: many NR-row blocks and the prefetch past them."""
     gen = torch.Generator().manual_seed(7)
     _check_int8_and_int4(torch.randn(1, 2048, generator=gen), torch.randn(5632, 2048, generator=gen) * 0.02, 128)
+
+
+@pytest.mark.parametrize("n,k,group,zero_point", [(7, 100, 32, False), (33, 256, 128, True), (64, 2048, 128, False),
+                                                  (5, 70, 70, True), (16, 130, 64, True), (3, 64, None, False)])
+def test_dequantize_bf16_is_the_reference_rounded(n: int, k: int, group: int | None, zero_point: bool) -> None:
+    # the weight the layers multiply more than KERNEL_MAX_ROWS rows by: the reference's float32 values rounded to
+    # bf16, bit for bit, for int4 (with and without zero points, K off the group and off 32) and int8
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen) + (0.3 if zero_point else 0)
+    g = group or k
+    q, scale, zero = ref.rtn_int4(w, g, zero_point)
+    packed = ref.pack_int4(q)
+    zero = zero if zero_point else zero.new_empty(0)
+    assert torch.equal(OPS.dequantize_bf16(packed, scale, zero, k, g),
+                       ref.dequantize_int4(packed, scale, zero, k, g).bfloat16())
+    q8, s8 = ref.rtn_int8(w)
+    assert torch.equal(OPS.dequantize_bf16(q8, s8, s8.new_empty(0), k, 0), ref.dequantize_int8(q8, s8).bfloat16())

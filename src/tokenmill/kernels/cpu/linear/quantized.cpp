@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -818,8 +819,70 @@ bool has_quantized_linear() { return false; }
 
 #endif
 
+namespace {
+
+int64_t round_up_k(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// The bf16 [N, K] weight an int8 (weight int8 [N, K], scale [N]) or int4 (the packed layout above, scale and zero
+// [N, ceil(K / group)], zero empty: 8) layer multiplies by: the reference's float32 values (q * scale, (q - zero) *
+// scale; layers/quantization/reference.py) rounded to bf16 as at::to rounds them, for the matmuls of more rows than
+// the kernels take. Portable C++: the compiler vectorizes the row loops.
+at::Tensor dequantize_bf16(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& zero,
+                           int64_t in_features, int64_t group) {
+  const bool int4 = weight.scalar_type() == at::kByte;
+  TORCH_CHECK((int4 || weight.scalar_type() == at::kChar) && weight.dim() == 2 && weight.is_contiguous(),
+              "dequantize_bf16: weight must be contiguous int8 [N, K] or packed int4 uint8 [N, Kp / 2]");
+  const int64_t N = weight.size(0), K = in_features;
+  const int64_t G = int4 ? (K + group - 1) / group : 1;
+  TORCH_CHECK(!int4 || (group > 0 && weight.size(1) * 2 >= K), "dequantize_bf16: int4 group and width");
+  TORCH_CHECK(int4 || weight.size(1) == K, "dequantize_bf16: int8 weight must be [N, ", K, "]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * G,
+              "dequantize_bf16: scale must be fp32 [N, ", G, "]");
+  TORCH_CHECK(zero.numel() == 0 || (int4 && zero.scalar_type() == at::kFloat && zero.is_contiguous() &&
+                                    zero.numel() == N * G), "dequantize_bf16: zero must be empty or fp32 [N, ", G, "]");
+  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kBFloat16));
+  const float* sp = scale.data_ptr<float>();
+  const float* zp = zero.numel() ? zero.data_ptr<float>() : nullptr;
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t width = weight.size(1);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(round_up_k(K, 32));
+    for (int64_t n = n0; n < n1; ++n) {
+      if (int4) {
+        const uint8_t* w = weight.data_ptr<uint8_t>() + n * width;
+        // runs of 32 k (byte j: k = j in its low nibble, k = j + 16 in its high one), each inside one group (group
+        // is a multiple of 32 or covers all of K)
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          const int64_t g = n * G + k0 / group;
+          const float z = zp ? zp[g] : 8.0f, sc = sp[g];
+          const uint8_t* b = w + k0 / 2;
+          for (int j = 0; j < 16; ++j) {
+            row[k0 + j] = (static_cast<float>(b[j] & 0xF) - z) * sc;
+            row[k0 + 16 + j] = (static_cast<float>(b[j] >> 4) - z) * sc;
+          }
+        }
+      } else {
+        const int8_t* w = weight.data_ptr<int8_t>() + n * K;
+        const float sc = sp[n];
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(w[k]) * sc;
+      }
+      // round to nearest even, as at::to rounds finite values
+      uint16_t* o = reinterpret_cast<uint16_t*>(op + n * K);
+      for (int64_t k = 0; k < K; ++k) {
+        uint32_t u;
+        std::memcpy(&u, &row[k], sizeof u);
+        o[k] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("has_quantized_linear() -> bool", &has_quantized_linear);
+  m.def("dequantize_bf16(Tensor weight, Tensor scale, Tensor zero, int in_features, int group) -> Tensor");
   m.def("has_weight_only_linear() -> bool", &has_weight_only_linear);
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, Tensor zero, int in_features, int group, "
@@ -830,6 +893,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("dequantize_bf16", &dequantize_bf16);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("w8a8_linear", &w8a8_linear);
