@@ -834,7 +834,9 @@ at::Tensor dequantize_bf16(const at::Tensor& weight, const at::Tensor& scale, co
               "dequantize_bf16: weight must be contiguous int8 [N, K] or packed int4 uint8 [N, Kp / 2]");
   const int64_t N = weight.size(0), K = in_features;
   const int64_t G = int4 ? (K + group - 1) / group : 1;
-  TORCH_CHECK(!int4 || (group > 0 && weight.size(1) * 2 >= K), "dequantize_bf16: int4 group and width");
+  TORCH_CHECK(!int4 || (group > 0 && (group % 32 == 0 || group >= K) && weight.size(1) == round_up_k(K, 32) / 2),
+              "dequantize_bf16: int4 weight must be uint8 [N, ", round_up_k(K, 32) / 2, "] with a group that is a "
+              "multiple of 32 or covers K");
   TORCH_CHECK(int4 || weight.size(1) == K, "dequantize_bf16: int8 weight must be [N, ", K, "]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * G,
               "dequantize_bf16: scale must be fp32 [N, ", G, "]");
