@@ -32,6 +32,10 @@
 #define TM_QUANT_AVX2 1
 #endif
 
+namespace {
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+}  // namespace
+
 #if defined(TM_QUANT_AVX512) || defined(TM_QUANT_AVX2)
 #include <immintrin.h>
 
@@ -41,7 +45,6 @@ namespace {
 
 constexpr int64_t kRowTile = 4;  // rows of x sharing one pass over the weight
 
-int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // x as fp32 [M, Kp], zero beyond K
 at::Tensor padded_fp32(const at::Tensor& x, int64_t Kp) {
@@ -821,8 +824,6 @@ bool has_quantized_linear() { return false; }
 
 namespace {
 
-int64_t round_up_k(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
 // The bf16 [N, K] weight an int8 (weight int8 [N, K], scale [N]) or int4 (the packed layout above, scale and zero
 // [N, ceil(K / group)], zero empty: 8) layer multiplies by: the reference's float32 values (q * scale, (q - zero) *
 // scale; layers/quantization/reference.py) rounded to bf16 as at::to rounds them, for the matmuls of more rows than
@@ -834,8 +835,8 @@ at::Tensor dequantize_bf16(const at::Tensor& weight, const at::Tensor& scale, co
               "dequantize_bf16: weight must be contiguous int8 [N, K] or packed int4 uint8 [N, Kp / 2]");
   const int64_t N = weight.size(0), K = in_features;
   const int64_t G = int4 ? (K + group - 1) / group : 1;
-  TORCH_CHECK(!int4 || (group > 0 && (group % 32 == 0 || group >= K) && weight.size(1) == round_up_k(K, 32) / 2),
-              "dequantize_bf16: int4 weight must be uint8 [N, ", round_up_k(K, 32) / 2, "] with a group that is a "
+  TORCH_CHECK(!int4 || (group > 0 && (group % 32 == 0 || group >= K) && weight.size(1) == round_up(K, 32) / 2),
+              "dequantize_bf16: int4 weight must be uint8 [N, ", round_up(K, 32) / 2, "] with a group that is a "
               "multiple of 32 or covers K");
   TORCH_CHECK(int4 || weight.size(1) == K, "dequantize_bf16: int8 weight must be [N, ", K, "]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * G,
@@ -847,11 +848,13 @@ at::Tensor dequantize_bf16(const at::Tensor& weight, const at::Tensor& scale, co
   const float* zp = zero.numel() ? zero.data_ptr<float>() : nullptr;
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t width = weight.size(1);
+  const auto* w4 = int4 ? weight.data_ptr<uint8_t>() : nullptr;
+  const auto* w8 = int4 ? nullptr : weight.data_ptr<int8_t>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> row(round_up_k(K, 32));
+    std::vector<float> row(round_up(K, 32));
     for (int64_t n = n0; n < n1; ++n) {
       if (int4) {
-        const uint8_t* w = weight.data_ptr<uint8_t>() + n * width;
+        const uint8_t* w = w4 + n * width;
         // runs of 32 k (byte j: k = j in its low nibble, k = j + 16 in its high one), each inside one group (group
         // is a multiple of 32 or covers all of K)
         for (int64_t k0 = 0; k0 < K; k0 += 32) {
@@ -864,7 +867,7 @@ at::Tensor dequantize_bf16(const at::Tensor& weight, const at::Tensor& scale, co
           }
         }
       } else {
-        const int8_t* w = weight.data_ptr<int8_t>() + n * K;
+        const int8_t* w = w8 + n * K;
         const float sc = sp[n];
         for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(w[k]) * sc;
       }
