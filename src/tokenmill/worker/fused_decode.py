@@ -9,8 +9,9 @@ on the C++ CPU attention backend, when every projection is a packed bf16 weight 
 a quantized one (int8, int4, W8A8; routed experts unquantized only) that its method runs with the C++ kernels
 (`fused_projection`); the
 C++ calls run the same kernels in the same order as the Python layer loop with that backend, so they
-give the same tokens. int8/int4 layers take the kernels up to KERNEL_MAX_ROWS rows (the torch reference
-beyond), so a model with them is fused up to that many rows. It reads the backend's decode tables through
+give the same tokens. int8/int4 layers take the kernels up to `QuantizedLinearMethod.max_rows` rows
+(KERNEL_MAX_ROWS, or AMX_MAX_ROWS where the ops run AMX-BF16; the torch reference beyond), so a model with
+them is fused up to that many rows. It reads the backend's decode tables through
 `CpuBackend.decode_tables`. A quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3) is stored and read by
 the ops the C++ backend calls for it (write_kv_quant_, paged_attention_quant), with each layer's scales.
 

@@ -6,9 +6,10 @@ A `QuantizedLinearMethod` registers the checkpoint format's parameters (`formats
 loading into the layout tokenmill's kernels read (`reference.py`) and drops them, so no float copy of
 a weight stays in memory. `apply` runs the C++ kernels (kernels/cpu/linear/quantized.cpp), which
 dequantize in registers, where they are built and the CPU runs them (`quantized_kernels`: every scheme
-with AVX-512 BW and VNNI; W8A16 and W4A16 with AVX2 and FMA, x as 16-bit fixed point); elsewhere, and for
-W8A16/W4A16 batches over KERNEL_MAX_ROWS rows, the torch reference (a weight dequantized for the call,
-then a float matmul). W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
+with AVX-512 BW and VNNI; W8A16 and W4A16 with AVX2 and FMA, x as 16-bit fixed point). W8A16/W4A16 batches
+of bf16 rows over KERNEL_MAX_ROWS run the same ops where they have AMX-BF16 (up to AMX_MAX_ROWS: the weight
+dequantized 32 outputs at a time into AMX tiles); elsewhere, and beyond, a weight dequantized for the call,
+then a float matmul. W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
 oneDNN-packed copy of the weight (the same integer products; AMX on CPUs that have it). The lm_head
 stays a float layer (`lm_head_method`), as the formats leave it.
 """
@@ -30,7 +31,10 @@ from tokenmill.layers.quantization import reference as ref
 from tokenmill.quantization_config import QuantConfig
 
 logger = logging.getLogger(__name__)
-KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the kernels take; larger batches are compute-bound matmuls
+KERNEL_MAX_ROWS = 16  # W8A16/W4A16: rows the VNNI kernels take; larger batches are compute-bound matmuls
+# W8A16/W4A16, bf16 rows, where the ops run AMX-BF16 (has_dequant_amx): the most rows the ops take, the weight
+# dequantized 32 outputs at a time into AMX tiles (kernels/cpu/linear/dequant_amx.cpp)
+AMX_MAX_ROWS = 256
 W8A8_VNNI_MAX_ROWS = 16  # W8A8: rows the VNNI kernel takes; oneDNN's int8 matmul (AMX where there is one) beyond
 REQUIRED_CPU_FLAGS = ("avx512bw", "avx512_vnni")  # every kernel: W8A8 and bf16 activations' VNNI products
 WEIGHT_ONLY_CPU_FLAGS = ("avx2", "fma")  # int8 and int4 (W8A16/W4A16), x as 16-bit fixed point
@@ -143,6 +147,14 @@ class QuantizedLinearMethod:
             return w if layout.input_perm is None else w[:, torch.argsort(layout.input_perm)]
         return ref.dequantize_int8(_t(layer, "qweight")[:, :layer.input_size], _t(layer, "scales"))
 
+    def max_rows(self, dtype: torch.dtype) -> int:
+        """The most rows of `dtype` the int8/int4 ops take (beyond them, a dequantized weight's matmul)."""
+        return AMX_MAX_ROWS if dtype == torch.bfloat16 and self.dequant_amx else KERNEL_MAX_ROWS
+
+    @functools.cached_property
+    def dequant_amx(self) -> bool:
+        return self.kernels is not None and bool(self.kernels.has_dequant_amx())
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         layout = layout_of(layer)
         rows = x.reshape(-1, layer.input_size)
@@ -159,7 +171,7 @@ class QuantizedLinearMethod:
             else:
                 y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None
                      else ref.w8a8_ref(rows, q, scales, k, bias))
-        elif kernels is None or rows.shape[0] > KERNEL_MAX_ROWS:
+        elif kernels is None or rows.shape[0] > self.max_rows(rows.dtype):
             x_in = rows if layout.input_perm is None else rows[:, layout.input_perm]
             if kernels is not None and rows.dtype == torch.bfloat16:  # oneDNN's bf16 product: see in_onednn_rows
                 # the reference's weight as linear_ref rounds it to bf16, made in one pass (in the checkpoint's column
@@ -216,7 +228,8 @@ def fused_projection(layer: LinearBase) -> FusedProjection | None:
         return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux, *onednn),
                                (FUSED_KINDS["w8a8"], layer.input_size, W8A8_VNNI_MAX_ROWS), None)
     return FusedProjection(_t(layer, "qweight"), (_t(layer, "scales"), aux, empty, empty),
-                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size), KERNEL_MAX_ROWS)
+                           (FUSED_KINDS[layout.scheme], layer.input_size, layout.group_size),
+                           method.max_rows(torch.bfloat16))
 
 
 def reference_method(cfg: QuantConfig) -> QuantizedLinearMethod:

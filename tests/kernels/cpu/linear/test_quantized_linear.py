@@ -200,3 +200,33 @@ def test_dequantize_bf16_is_the_reference_rounded(n: int, k: int, group: int | N
                        ref.dequantize_int4(packed, scale, zero, k, g).bfloat16())
     q8, s8 = ref.rtn_int8(w)
     assert torch.equal(OPS.dequantize_bf16(q8, s8, s8.new_empty(0), k, 0), ref.dequantize_int8(q8, s8).bfloat16())
+
+
+needs_amx = pytest.mark.skipif(OPS is None or not OPS.has_dequant_amx(),
+                               reason="no AMX-BF16 here: bf16 batches over 16 rows keep the dequantized weight")
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [17, 32, 33, 47, 100, 256])
+@pytest.mark.parametrize("n,k,group,zero_point", [(70, 96, 32, False), (33, 200, 64, True), (64, 256, 128, False),
+                                                  (5, 50, None, True), (129, 1024, 128, True)])
+def test_dequantized_amx_rows(m: int, n: int, k: int, group: int | None, zero_point: bool) -> None:
+    # bf16 batches over KERNEL_MAX_ROWS up to AMX_MAX_ROWS (dequant_amx.cpp): the reference's bf16 weight, a
+    # block of 32 outputs at a time, times x in AMX tiles; outputs off the 32-output blocks and the 16-row
+    # tiles, K off 32 and off the group
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen) + (0.3 if zero_point else 0)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    q8, s8 = ref.rtn_int8(w)
+    w8 = ref.dequantize_int8(q8, s8).bfloat16()
+    got = OPS.int8_linear(x, q8, s8, ref.weight_sum(q8), bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _close(got, ref.linear_ref(x, w8, bias), torch.bfloat16, x.float().abs() @ w8.float().abs().T + bias.float().abs())
+    g = group or k
+    q4, s4, z4 = ref.rtn_int4(w, g, zero_point)
+    z4 = z4 if zero_point else z4.new_empty(0)
+    packed = ref.pack_int4(q4)
+    w4 = ref.dequantize_int4(packed, s4, z4, k, g).bfloat16()
+    got = OPS.int4_linear(x, packed, s4, z4, k, g, None)
+    _close(got, ref.linear_ref(x, w4, None), torch.bfloat16, x.float().abs() @ w4.float().abs().T)

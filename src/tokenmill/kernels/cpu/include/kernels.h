@@ -56,6 +56,23 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
+// An int8 or int4 weight as quantized.cpp lays it out (one of w8, w4 set): int8 [N, K] with scale [N]; int4
+// packed [N, Kp / 2] (runs of 32 k: byte j holds k = j low, k = j + 16 high) with scale and zero [N, groups]
+// (zero null: 8 throughout)
+struct QuantWeight {
+  const int8_t* w8 = nullptr;
+  const uint8_t* w4 = nullptr;
+  const float* scale = nullptr;
+  const float* zero = nullptr;
+  int64_t N = 0, K = 0, Kp = 0;  // Kp: K padded to 32
+  int64_t group = 0, groups = 1;  // int4
+};
+// Whether dequant_amx_linear is built and this process may run AMX-BF16
+bool dequant_amx_available();
+// x bf16 [M, K] (rows contiguous, any M) times q dequantized to bf16 block by block (AMX-BF16 tiles; no bf16
+// copy of the whole weight), plus bias: [M, N] bf16. linear/dequant_amx.cpp. q is trusted (the ops check it).
+at::Tensor dequant_amx_linear(const at::Tensor& x, const QuantWeight& q, const c10::optional<at::Tensor>& bias);
+
 // The most rows the layers give bf16w_gemv (the widening GEMV over a bf16 [N, K] weight under float32 rows);
 // past them they take bf16w_gemm. 0 where they are not built (no AVX2/FMA).
 int64_t bf16w_gemv_max_rows();

@@ -24,6 +24,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels.h"
+
 // Built for AVX-512 BW/VNNI: every op. Built for AVX2 + FMA: int8_linear and int4_linear (x, bf16 or fp32, as
 // 16-bit fixed point per row against the weights widened to int16); W8A8 and the bf16 limb kernels need VNNI.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -34,6 +36,7 @@
 
 namespace {
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+constexpr int64_t kVectorMaxRows = 16;  // the most rows the limb kernels take: the layer's KERNEL_MAX_ROWS
 }  // namespace
 
 #if defined(TM_QUANT_AVX512) || defined(TM_QUANT_AVX2)
@@ -517,9 +520,8 @@ at::Tensor store_rows(const std::vector<float>& y, int64_t M, int64_t N, const c
   return out;
 }
 
-constexpr int64_t kLimbMaxRows = 16;  // the layer's KERNEL_MAX_ROWS
 bool limb_path(const at::Tensor& x) {
-  return x.scalar_type() == at::kBFloat16 && x.size(0) <= kLimbMaxRows && x.stride(1) == 1;
+  return x.scalar_type() == at::kBFloat16 && x.size(0) <= kVectorMaxRows && x.stride(1) == 1;
 }
 #endif  // TM_QUANT_AVX512
 
@@ -529,6 +531,14 @@ void n_blocks(int64_t n0, int64_t n1, Fn1 one, FnN many) {
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) many(n);
   for (; n < n1; ++n) one(n);
+}
+
+// more bf16 rows than the limb kernels take, up to kAmxMaxRows, where AMX-BF16 runs: the weight dequantized a
+// block at a time (linear/dequant_amx.cpp). Past kAmxMaxRows its x no longer stays in L2 across the blocks.
+constexpr int64_t kAmxMaxRows = 256;  // the layer's AMX_MAX_ROWS
+bool amx_rows(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 && x.size(0) > kVectorMaxRows && x.size(0) <= kAmxMaxRows &&
+         x.stride(1) == 1 && tokenmill::dequant_amx_available();
 }
 
 #define TM_ROW_TILES(MR_, CALL)                                                                         \
@@ -549,6 +559,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   check_x(x, K, "int8_linear");
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
+  if (amx_rows(x)) {
+    tokenmill::QuantWeight q;
+    q.w8 = wp, q.scale = sp, q.N = N, q.K = K, q.Kp = round_up(K, 32);
+    return tokenmill::dequant_amx_linear(x, q, bias);
+  }
 #ifdef TM_QUANT_AVX512
   if (limb_path(x)) {
     const int64_t Kp = round_up(K, 64);
@@ -603,6 +618,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   check_x(x, K, "int4_linear");
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *zp = zero.numel() ? zero.data_ptr<float>() : nullptr;
+  if (amx_rows(x)) {
+    tokenmill::QuantWeight q;
+    q.w4 = wp, q.scale = sp, q.zero = zp, q.N = N, q.K = K, q.Kp = Kp, q.group = group, q.groups = G;
+    return tokenmill::dequant_amx_linear(x, q, bias);
+  }
   // the limb kernels take whole chunks of 128 k per group; a group's int32 sums stay under 2^31 below 2^15
 #ifdef TM_QUANT_AVX512
   if (limb_path(x) && K % 128 == 0 && group % 128 == 0 && group <= 32768 && K % group == 0) {

@@ -1,0 +1,206 @@
+// int8 / int4 weights (quantized.cpp's layouts) against more bf16 rows of x than the limb kernels take, with
+// AMX-BF16 tiles and no bf16 copy of the whole weight: the outputs are taken 32 at a time; each block's weight is
+// dequantized into a per-thread buffer (the reference's values, q * scale or (q - zero) * scale in fp32 rounded
+// to nearest even, as dequantize_bf16 makes them; its K padding zero), in the B-tile order tdpbf16ps reads (per
+// 32 k, 16 k-pairs of 16 outputs: a 16 x 16 transpose of the rows' pairs), then every 32 rows of x (A tiles, from
+// a zero-padded copy of x) are multiplied by it into four float32 C tiles. Per output: fp32 sums of the pairs'
+// products, plus the bias, rounded once to bf16. The buffer holds 32 x Kp bf16 (64 KiB at K = 1024), so each
+// weight byte is read from memory once and dequantized once per call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_DEQUANT_AMX 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef TOKENMILL_DEQUANT_AMX
+
+constexpr int64_t kOut = 32;    // outputs a block: two B tiles of 16
+constexpr int64_t kChunk = 32;  // k a tile row of bf16 pairs
+constexpr int64_t kTile = 16 * kChunk;  // bf16 values in one tile (16 rows x 64 bytes)
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// 16 rows of 16 dwords, transposed in place
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // s[4i + j], lane L: column 4L + j of rows 4i..4i+3
+  __m512i s[16];
+  for (int i = 0; i < 4; ++i) {
+    s[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    s[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    s[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    s[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // a 4 x 4 transpose of 128-bit lanes for each j
+  for (int j = 0; j < 4; ++j) {
+    const __m512i u0 = _mm512_shuffle_i32x4(s[j], s[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(s[j], s[4 + j], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(s[8 + j], s[12 + j], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(s[8 + j], s[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+}
+
+inline __mmask16 first(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// output n's 32 k from k0 as bf16 (zero past K): 16 dwords of k-pairs
+inline __m512i dequant_chunk(const tokenmill::QuantWeight& q, int64_t n, int64_t k0) {
+  const int64_t left = q.K - k0;
+  __m512 lo, hi;
+  if (q.w8) {
+    const __mmask32 mk = left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << left) - 1);
+    const __m256i b = _mm256_maskz_loadu_epi8(mk, q.w8 + n * q.K + k0);
+    const __m512 sc = _mm512_set1_ps(q.scale[n]);
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), sc);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), sc);
+  } else {
+    // a run of 32 k: byte j holds k0 + j in its low nibble and k0 + 16 + j in its high one
+    const int64_t g = n * q.groups + k0 / q.group;
+    const __m512 sc = _mm512_set1_ps(q.scale[g]), z = _mm512_set1_ps(q.zero ? q.zero[g] : 8.0f);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w4 + n * (q.Kp / 2) + k0 / 2)));
+    const __m512i nib = _mm512_set1_epi32(0xF);
+    lo = _mm512_maskz_mul_ps(first(left), _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, nib)), z), sc);
+    hi = _mm512_maskz_mul_ps(first(left - 16), _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), z), sc);
+  }
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // k0..k0+15 low, k0+16.. high
+}
+
+// outputs n0..n0+31 (zero past N) as B tiles: buf [2][Kp / 32][16 k-pairs][16 outputs][2]
+void dequant_block(const tokenmill::QuantWeight& q, int64_t n0, uint16_t* buf) {
+  const int64_t chunks = q.Kp / kChunk;
+  __m512i r[16];
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = n0 + 16 * h + i;
+        r[i] = n < q.N ? dequant_chunk(q, n, c * kChunk) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      uint16_t* t = buf + (h * chunks + c) * kTile;
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(t + 32 * i, r[i]);
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+bool tokenmill::dequant_amx_available() {
+#ifdef TOKENMILL_DEQUANT_AMX
+  return tokenmill::amx_bf16_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight& q,
+                                         const c10::optional<at::Tensor>& bias) {
+#ifdef TOKENMILL_DEQUANT_AMX
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == q.K && x.stride(1) == 1,
+              "dequant_amx_linear: x must be bf16 [M, ", q.K, "] with contiguous rows");
+  const int64_t M = x.size(0), N = q.N, Kp = q.Kp, chunks = Kp / kChunk, Mp = round_up(M, 16);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // x zero-padded to [Mp, Kp]: the A tiles read whole 16-row, 32-k blocks
+  std::vector<uint16_t> xpad(Mp * Kp, 0);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * Kp, xp + m * x.stride(0), q.K * sizeof(uint16_t));
+  const bool has_bias = bias.has_value() && bias->defined();
+  const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!has_bias || b.numel() == N, "dequant_amx_linear: bias must have ", N, " values");
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t blocks = (N + kOut - 1) / kOut;
+  at::parallel_for(0, blocks, 1, [&](int64_t nb0, int64_t nb1) {
+    tokenmill::AmxTileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    auto* buf = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * chunks * kTile * sizeof(uint16_t)));
+    alignas(64) float out[32 * kOut];  // 32 rows of x by the block's 32 outputs
+    const int64_t xstride = Kp * 2;
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const int64_t n0 = nb * kOut, nn = std::min(kOut, N - n0);
+      dequant_block(q, n0, buf);
+      const uint16_t* b0 = buf;
+      const uint16_t* b1 = buf + chunks * kTile;
+      for (int64_t m = 0; m < Mp; m += 32) {
+        const bool two = m + 16 < Mp;
+        const uint16_t* x0 = xpad.data() + m * Kp;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+          const uint16_t* x1 = x0 + 16 * Kp;
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t c = 0; c < chunks; ++c) {
+            _tile_loadd(4, x0 + c * kChunk, xstride);
+            _tile_loadd(5, x1 + c * kChunk, xstride);
+            _tile_loadd(6, b0 + c * kTile, 64);
+            _tile_loadd(7, b1 + c * kTile, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(2, out + 16 * kOut, kOut * 4);
+          _tile_stored(3, out + 16 * kOut + 16, kOut * 4);
+        } else {
+          for (int64_t c = 0; c < chunks; ++c) {
+            _tile_loadd(4, x0 + c * kChunk, xstride);
+            _tile_loadd(6, b0 + c * kTile, 64);
+            _tile_loadd(7, b1 + c * kTile, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+        }
+        _tile_stored(0, out, kOut * 4);
+        _tile_stored(1, out + 16, kOut * 4);
+        const __mmask16 k0 = first(nn), k1 = first(nn - 16);
+        const __m512 bias0 = bp ? _mm512_maskz_loadu_ps(k0, bp + n0) : _mm512_setzero_ps();
+        const __m512 bias1 = bp ? _mm512_maskz_loadu_ps(k1, bp + n0 + 16) : _mm512_setzero_ps();
+        for (int64_t i = 0, rows = std::min<int64_t>(32, M - m); i < rows; ++i) {
+          uint16_t* yr = yp + (m + i) * N + n0;
+          const __m512 v0 = _mm512_add_ps(_mm512_load_ps(out + i * kOut), bias0);
+          const __m512 v1 = _mm512_add_ps(_mm512_load_ps(out + i * kOut + 16), bias1);
+          _mm256_mask_storeu_epi16(yr, k0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v0)));
+          if (nn > 16) _mm256_mask_storeu_epi16(yr + 16, k1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v1)));
+        }
+      }
+    }
+    std::free(buf);
+    _tile_release();
+  });
+  return y;
+#else
+  (void)x;
+  (void)q;
+  (void)bias;
+  TORCH_CHECK(false, "dequant_amx_linear: built without AMX-BF16");
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  // whether int8_linear / int4_linear take bf16 batches of any size (dequant_amx_linear beyond 16 rows)
+  m.def("has_dequant_amx() -> bool", &tokenmill::dequant_amx_available);
+}
