@@ -298,7 +298,8 @@ class EngineArgs:
                                       "captured per padded batch size")
     quantization: str | None = _arg(None, "how the weights are quantized: " + ", ".join(QUANTIZATION_METHODS)
                                     + " (default: as config.json's quantization_config says; int8, int4 and "
-                                      "w8a8 quantize a float checkpoint at load by round-to-nearest)")
+                                      "w8a8 quantize a float checkpoint at load by round-to-nearest; int8 and "
+                                      "int4 round the lm_head to int8 too)")
     async_scheduling: bool | None = _arg(None, "schedule each step while the one before it runs (default: on "
                                                "where a CPU is free for the scheduling thread beside the compute "
                                                "threads, and always on a GPU or with pipeline parallelism, where "

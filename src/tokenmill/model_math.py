@@ -12,8 +12,10 @@ Conventions (shared by `tokenmill plan` and `tokenmill bench latency`):
   experts' too) are stored as tokenmill holds them in memory (1 byte or half a byte per weight, K padded to
   64 for W8A8's kernel and to 32 for int4's, fp32 scales per output row or per
   row and group, int8's and W8A8's int32 row sums; int4 as `--quantization int4` makes it, symmetric, so
-  without zero points); embeddings, norms and lm_head stay float. W8A8 also keeps a oneDNN-packed int8
-  copy for large batches (a decode step does not read it), which these bytes leave out.
+  without zero points); embeddings and norms stay float. The lm_head stays float too, except with
+  lm_head_int8 (`--quantization int8|int4`): then it is int8 per output row with an fp32 scale and an int32 row
+  sum, and a tied one keeps the float table for the embedding beside its int8 copy. W8A8 also keeps a
+  oneDNN-packed int8 copy for large batches (a decode step does not read it), which these bytes leave out.
 - Mixture of experts: params count every expert; matmul_params (FLOPs) only the k experts a token
   is routed to; decode_weight_bytes(batch) only the experts a step of `batch` tokens reads, expected
   under uniform routing: E * (1 - (1 - k/E)^batch) per sparse layer (k at batch 1), as the fused MoE
@@ -53,6 +55,7 @@ class ModelCost:
     quantization: str | None = None  # one of QUANTIZED_FORMATS: the projections' storage
     linear_dtype: str | None = None  # the projections', embedding's and lm_head's float storage where not dtype
     #                                  (bf16 weights under a float32 model: config.ModelConfig.linear_weight_dtype)
+    lm_head_int8: bool = False  # the lm_head rounded to int8 per output row (quantization_config.QuantConfig.lm_head)
     # decode_weight_bytes by batch, as worked out (the fields above decide them; not part of the value)
     _decode_weight_bytes: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -250,7 +253,15 @@ class ModelCost:
                 held_bytes = rows * (round_up(cols, W8A8_K_ALIGN) if self.quantization == "w8a8" else cols) + rows * 8
             return rows * cols * self.elem_bytes - held_bytes
 
-        return round(sum(n * sum(saving(r, c) for r, c in shapes) for n, shapes in self._projections(held, batch)))
+        groups = self._projections(held, batch)
+        projections = round(sum(n * sum(saving(r, c) for r, c in shapes) for n, shapes in groups))
+        if not self.lm_head_int8:
+            return projections
+        vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+        int8_head = vocab * hidden + vocab * 8
+        if held and self.arch.tie_word_embeddings:  # the int8 copy beside the embedding's float table
+            return projections - int8_head
+        return projections + vocab * hidden * self.elem_bytes - int8_head
 
     @cached_property
     def kv_bytes_per_token(self) -> int:

@@ -5,7 +5,10 @@
   activations) and pack-quantized int4 (group-wise or per channel, symmetric or with zero points),
   as the `compressed-tensors` library writes them.
 - `gptq` (`qweight/qzeros/scales/g_idx`, with or without act-order) and `awq` (GEMM packing), 4 bits.
-- `int8`, `int4`, `w8a8`: tokenmill's round-to-nearest of a float checkpoint at load.
+- `int8`, `int4`, `w8a8`: tokenmill's round-to-nearest of a float checkpoint at load. `int8` and `int4` round
+  the lm_head too, to int8 per output row (`QuantConfig.lm_head`), as llama.cpp's quantizer rounds its output
+  matrix: at batch 1 the lm_head is a large share of the bytes a step reads (a vocabulary times the hidden
+  size, against the layers' half or one byte a weight). The checkpoint formats leave it as they store it (float).
 
 This module imports no torch (the engine config validates with it before any model is built).
 """
@@ -19,6 +22,7 @@ from typing import Any
 
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 RTN_METHODS = ("int8", "int4", "w8a8")
+RTN_LM_HEAD_METHODS = ("int8", "int4")  # the rounding methods that round the lm_head too (to int8)
 QUANTIZATION_METHODS = CHECKPOINT_METHODS + RTN_METHODS
 SCHEMES = ("int8", "int4", "w8a8")  # W8A16 per channel, W4A16 group-wise, W8A8 per channel x per token
 RTN_INT4_GROUP = 128
@@ -36,7 +40,8 @@ def round_up(n: int, m: int) -> int:
 class QuantConfig:
     """format: compressed-tensors | gptq | awq | rtn. scheme: int8 | int4 | w8a8. group_size: None
     for one scale per output channel. zero_point: int4 with zero points (asymmetric). act_order:
-    GPTQ's g_idx may permute the groups. gptq_zero_offset: GPTQ's v1 checkpoints store zero - 1."""
+    GPTQ's g_idx may permute the groups. gptq_zero_offset: GPTQ's v1 checkpoints store zero - 1. lm_head: the
+    lm_head is rounded to int8 per output row at load (the rounding methods int8 and int4)."""
 
     format: str
     scheme: str
@@ -44,6 +49,7 @@ class QuantConfig:
     zero_point: bool = False
     act_order: bool = False
     gptq_zero_offset: int = 0
+    lm_head: bool = False
 
     @property
     def bits(self) -> int:
@@ -61,7 +67,7 @@ def resolve_quantization(model_dir: str, quantization: str | None) -> QuantConfi
             raise ValueError(f"--quantization {quantization} quantizes a float checkpoint at load, but this one is "
                              f"already quantized ({qc.get('quant_method')!r}); leave --quantization out")
         group = RTN_INT4_GROUP if quantization == "int4" else None
-        return QuantConfig("rtn", quantization, group_size=group)
+        return QuantConfig("rtn", quantization, group_size=group, lm_head=quantization in RTN_LM_HEAD_METHODS)
     if qc is None:
         if quantization is not None:
             raise ValueError(f"--quantization {quantization}: config.json has no quantization_config")

@@ -52,7 +52,10 @@ def test_detection_and_override(model_dirs: dict[str, str], tmp_path: os.PathLik
     assert resolve_quantization(gptq, None) == QuantConfig("gptq", "int4", 32, act_order=True, gptq_zero_offset=1)
     assert resolve_quantization(gptq, "gptq") == resolve_quantization(gptq, None)
     assert resolve_quantization(src, None) is None
-    assert resolve_quantization(src, "int4") == QuantConfig("rtn", "int4", 128)
+    # the rounding methods int8 and int4 round the lm_head too; W8A8 and the checkpoint formats leave it float
+    assert resolve_quantization(src, "int4") == QuantConfig("rtn", "int4", 128, lm_head=True)
+    assert resolve_quantization(src, "int8") == QuantConfig("rtn", "int8", lm_head=True)
+    assert resolve_quantization(src, "w8a8") == QuantConfig("rtn", "w8a8")
     with pytest.raises(ValueError, match="quant_method 'gptq'"):
         resolve_quantization(gptq, "awq")
     with pytest.raises(ValueError, match="already quantized"):

@@ -24,6 +24,7 @@ from tokenmill.bench.roofline import Ceilings, ceilings
 from tokenmill.config import bf16_weights_kept, default_block_size, parse_memory
 from tokenmill.cpu_features import cpu_runs_bf16
 from tokenmill.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, kv_storage_dtype
+from tokenmill.quantization_config import RTN_LM_HEAD_METHODS
 
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
 
@@ -115,8 +116,10 @@ def build_plan(args: argparse.Namespace, roof: Ceilings) -> dict[str, Any]:
         "weight_bytes": cost.weight_bytes, "decode_weight_bytes": cost.decode_weight_bytes(1),
         "kv_cache_dtype": kv_choice, "kv_bytes_per_token": cost.kv_bytes_per_token,
         "kv_cache_dtypes": kv_dtype_table(arch, dtype, kv_budget, args.block_size, max_len, context),
+        # each format as --quantization makes it (int8 and int4 round the lm_head to int8 too)
         "weight_bytes_by_format": {f: ModelCost(arch, dtype, quantization=None if f == dtype else f,
-                                                linear_dtype=linear_dtype if f == dtype else None).weight_bytes
+                                                linear_dtype=linear_dtype if f == dtype else None,
+                                                lm_head_int8=f in RTN_LM_HEAD_METHODS).weight_bytes
                                    for f in (dtype, *QUANTIZED_FORMATS)},
         "layers": arch.num_layers, "heads": arch.num_heads,
         "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "max_model_len": max_len,

@@ -41,7 +41,7 @@ def model_cost(config: EngineConfig) -> ModelCost:
     return ModelCost(config.model.arch, config.model.dtype,
                      kv_storage_dtype(config.cache.kv_cache_dtype, config.model.dtype),
                      quantization=None if quant is None else quant.scheme,
-                     linear_dtype=config.model.linear_weight_dtype)
+                     linear_dtype=config.model.linear_weight_dtype, lm_head_int8=quant is not None and quant.lm_head)
 
 
 def plan_figures(config: EngineConfig, ceilings: Ceilings | None) -> PlanFigures:

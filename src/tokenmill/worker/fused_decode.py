@@ -30,7 +30,7 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.cpu import CpuBackend
 from tokenmill.layers.linear import LinearBase, PanelGemm, UnquantizedLinearMethod, WidenedGemv, embedding_rows
-from tokenmill.layers.quantization import FusedProjection, fused_projection
+from tokenmill.layers.quantization import FUSED_KINDS, FusedProjection, fused_projection
 from tokenmill.models.interface import DecoderLayerWeights, DecoderLayout, SupportsDecoderLayout
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
@@ -137,9 +137,16 @@ class FusedDecode:
         self.embed = layout.embed
         self.dtype = layout.cos.dtype  # the rows' (a bf16 embedding widens to float32 rows)
         lm_head = layout.lm_head
+        # the lm_head's tensors as lm_head_greedy takes them: a packed or bf16-stored weight, or an int8 one (the
+        # rounding methods' lm_head) with its scales and row sums
         self._lm_head: tuple[Any, ...] | None = None
-        if lm_head.packed or _gemv_ptr(lm_head) in BF16_STORED:
-            self._lm_head = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, _gemv_ptr(lm_head))
+        head = fused_projection(lm_head)
+        if head is not None and head.kind[0] == FUSED_KINDS["int8"] and self.dtype == torch.bfloat16:
+            self._lm_head = (head.weight, lm_head.bias, False, 0, head.quant[0], head.quant[1])
+            self._take_rows(head)
+        elif lm_head.packed or _gemv_ptr(lm_head) in BF16_STORED:
+            self._lm_head = (lm_head.weight, lm_head.bias, lm_head.gemv_ops is not None, _gemv_ptr(lm_head), None,
+                             None)
 
     def _take_rows(self, f: FusedProjection | None) -> None:
         if f is not None and f.max_rows is not None:
@@ -198,7 +205,7 @@ class FusedDecode:
                bitmask: torch.Tensor | None = None, bitmask_ready: torch.Tensor | None = None) -> torch.Tensor | None:
         """Each row's argmax token of a pure-decode step whose rows are all plain greedy (over the tokens
         each row's bitmask allows, where one is given; with bitmask_ready, once that flag is set), or None where
-        the lm_head is not packed (the caller takes the Python path then)."""
+        the lm_head is neither packed nor int8 (the caller takes the Python path then)."""
         if self._lm_head is None:
             return None
         ids: torch.Tensor = self.ops.decode_greedy(input_ids, self.embed, positions, *self._args(meta),
@@ -209,7 +216,8 @@ class FusedDecode:
                         sampling: SamplingMetadata, words: int) -> torch.Tensor | None:
         """greedy, for a step whose bitmasks (`words` int32 a row) are still being filled when it begins: one call
         that runs the layers and the lm_head, then waits (without the GIL) until the thread that fills them has
-        written them into its bitmask, and takes the argmax over them. None where the lm_head is not packed."""
+        written them into its bitmask, and takes the argmax over them. None where the lm_head is neither packed nor
+        int8."""
         if self._lm_head is None:
             return None
         rows, ready = sampling.bitmask_written(words, self.ops.release_flag)
@@ -219,7 +227,7 @@ class FusedDecode:
 
     def greedy_from_hidden(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor | None:
         """What greedy gives, from forward's hidden states: the lm_head and argmax in one call (for a step whose
-        bitmasks were still being filled when it began), or None where the lm_head is not packed."""
+        bitmasks were still being filled when it began), or None where the lm_head is neither packed nor int8."""
         if self._lm_head is None:
             return None
         ids: torch.Tensor = self.ops.lm_head_greedy(hidden, *self._lm_head, bitmask)

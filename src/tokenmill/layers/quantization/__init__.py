@@ -11,7 +11,8 @@ of bf16 rows over KERNEL_MAX_ROWS run the same ops where they have AMX-BF16 (up 
 dequantized 32 outputs at a time into AMX tiles); elsewhere, and beyond, a weight dequantized for the call,
 then a float matmul. W8A8 batches over W8A8_VNNI_MAX_ROWS rows run oneDNN's int8 matmul on a second,
 oneDNN-packed copy of the weight (the same integer products; AMX on CPUs that have it). The lm_head
-stays a float layer (`lm_head_method`), as the formats leave it.
+(`lm_head_method`) stays a float layer, as the formats leave it, except under `QuantConfig.lm_head` (the
+rounding methods int8 and int4): then it is rounded to int8 per output row like an int8 projection.
 """
 
 from __future__ import annotations
@@ -98,12 +99,13 @@ def layout_of(layer: LinearBase) -> QuantLayout:
 
 class QuantizedLinearMethod:
     """One LinearMethod for every format and scheme of `cfg`. `ops`: tokenmill's C++ CPU kernels (or
-    None: the reference path). `lm_head_ops`: what the float lm_head's method gets."""
+    None: the reference path). `lm_head_ops`: what a float lm_head's method gets."""
 
     def __init__(self, cfg: QuantConfig, ops: Any = None, lm_head_ops: Any = None) -> None:
         self.cfg = cfg
         self.kernels = quantized_kernels(ops, cfg.scheme)
-        self.lm_head_method: LinearMethod = UnquantizedLinearMethod(lm_head_ops)
+        self.lm_head_method: LinearMethod = (QuantizedLinearMethod(QuantConfig("rtn", "int8"), ops) if cfg.lm_head
+                                             else UnquantizedLinearMethod(lm_head_ops))
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         formats.create_checkpoint_params(self.cfg, layer, dtype)

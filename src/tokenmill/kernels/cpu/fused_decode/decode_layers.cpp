@@ -493,11 +493,17 @@ void release_flag(const at::Tensor& flag) {
 // the final hidden states of a pure-decode step [T, hidden] -> each row's greedy token [T] (int64): lm_head and
 // argmax (over the tokens each row's bitmask allows, where one is given); decode_greedy ends with it, and a step
 // whose bitmasks were still being filled when it began calls it alone after decode_layers. With bitmask_ready the
-// bitmask is being written by another thread: the argmax waits for that flag (after the lm_head)
+// bitmask is being written by another thread: the argmax waits for that flag (after the lm_head). With
+// lm_head_scales (and lm_head_wsum, its rows' sums) the lm_head is int8 [vocab, hidden], run by int8_linear as
+// QuantizedLinearMethod.apply runs it
 at::Tensor lm_head_greedy(const at::Tensor& x, const at::Tensor& lm_head, const OptTensor& lm_head_bias,
-                          bool lm_head_gemv, int64_t lm_head_ptr, const OptTensor& bitmask,
-                          const OptTensor& bitmask_ready) {
-  const at::Tensor logits = linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
+                          bool lm_head_gemv, int64_t lm_head_ptr, const OptTensor& lm_head_scales,
+                          const OptTensor& lm_head_wsum, const OptTensor& bitmask, const OptTensor& bitmask_ready) {
+  TORCH_CHECK(lm_head_scales.has_value() == lm_head_wsum.has_value(), "lm_head_greedy: an int8 lm_head needs its "
+              "scales and row sums");
+  const at::Tensor logits = lm_head_scales.has_value()
+      ? ops().int8_linear.call(x, lm_head, *lm_head_scales, *lm_head_wsum, lm_head_bias)
+      : linear(ops(), x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr);
   if (bitmask_ready.has_value()) {
     TORCH_CHECK(bitmask.has_value(), "bitmask_ready without a bitmask");
     wait_for_flag(*bitmask_ready);
@@ -517,7 +523,8 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                          at::TensorList kv_scales, at::TensorList experts, int64_t num_experts, int64_t top_k,
                          bool norm_topk_prob, double routed_scaling_factor, const at::Tensor& lm_head,
                          const OptTensor& lm_head_bias, bool lm_head_gemv, int64_t lm_head_ptr,
-                         const OptTensor& bitmask, const OptTensor& bitmask_ready) {
+                         const OptTensor& lm_head_scales, const OptTensor& lm_head_wsum, const OptTensor& bitmask,
+                         const OptTensor& bitmask_ready) {
   // the embedding's rows, copied as at::embedding copies them (and widened to float32 rows from a bf16 table,
   // as layers.linear.Embedding does), without those ops' per-call overhead; the rows take cos's dtype. A tied
   // lm_head's bf16 panels ([vocab / 16, hidden, 16], layers.linear.bf16_panels) are read as that table
@@ -556,7 +563,8 @@ at::Tensor decode_greedy(const at::Tensor& input_ids, const at::Tensor& embed, c
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, eps,
                                      scale, window, gemv, quant, linear_kinds, kv_scales, experts,
                                      Routing{num_experts, top_k, norm_topk_prob, routed_scaling_factor});
-  return lm_head_greedy(x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr, bitmask, bitmask_ready);
+  return lm_head_greedy(x, lm_head, lm_head_bias, lm_head_gemv, lm_head_ptr, lm_head_scales, lm_head_wsum, bitmask,
+                        bitmask_ready);
 }
 
 }  // namespace
@@ -572,10 +580,10 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
         "bool gemv, Tensor[] quant, Tensor linear_kinds, Tensor(c!)[] kv_scales, "
         "Tensor[] experts, int num_experts, int top_k, bool norm_topk_prob, float routed_scaling_factor, "
-        "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? bitmask=None, "
-        "Tensor? bitmask_ready=None) -> Tensor");
+        "Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, Tensor? lm_head_scales, "
+        "Tensor? lm_head_wsum, Tensor? bitmask=None, Tensor? bitmask_ready=None) -> Tensor");
   m.def("lm_head_greedy(Tensor x, Tensor lm_head, Tensor? lm_head_bias, bool lm_head_gemv, int lm_head_ptr, "
-        "Tensor? bitmask=None, Tensor? bitmask_ready=None) -> Tensor");
+        "Tensor? lm_head_scales, Tensor? lm_head_wsum, Tensor? bitmask=None, Tensor? bitmask_ready=None) -> Tensor");
   m.def("release_flag(Tensor(a!) flag) -> ()");
 }
 
