@@ -1,11 +1,12 @@
 // int8 / int4 weights (quantized.cpp's layouts) against more bf16 rows of x than the limb kernels take, with
-// AMX-BF16 tiles and no bf16 copy of the whole weight: the outputs are taken 32 at a time; each block's weight is
-// dequantized into a per-thread buffer (the reference's values, q * scale or (q - zero) * scale in fp32 rounded
-// to nearest even, as dequantize_bf16 makes them; its K padding zero), in the B-tile order tdpbf16ps reads (per
-// 32 k, 16 k-pairs of 16 outputs: a 16 x 16 transpose of the rows' pairs), then every 32 rows of x (A tiles, from
-// a zero-padded copy of x) are multiplied by it into four float32 C tiles. Per output: fp32 sums of the pairs'
-// products, plus the bias, rounded once to bf16. The buffer holds 32 x Kp bf16 (64 KiB at K = 1024), so each
-// weight byte is read from memory once and dequantized once per call.
+// AMX-BF16 tiles and no bf16 copy of the whole weight. The outputs are taken 32 at a time. Each block's weight is
+// dequantized into one of two per-thread buffers: the reference's values (q * scale or (q - zero) * scale in fp32,
+// rounded to nearest even, as dequantize_bf16 makes them; K's padding zero), in the B-tile order tdpbf16ps reads
+// (per 32 k, 16 k-pairs of 16 outputs: a 16 x 16 transpose of the rows' pairs). Every 32 rows of x (A tiles, from
+// a zero-padded copy of x) are multiplied by it into four float32 C tiles, while the vector units dequantize the
+// next block into the other buffer. Per output: fp32 sums of the pairs' products, plus the bias, rounded once to
+// bf16. A buffer holds 32 x Kp bf16 (64 KiB at K = 1024), so each weight byte is read from memory once and
+// dequantized once per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -85,21 +86,18 @@ inline __m512i dequant_chunk(const tokenmill::QuantWeight& q, int64_t n, int64_t
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // k0..k0+15 low, k0+16.. high
 }
 
-// outputs n0..n0+31 (zero past N) as B tiles: buf [2][Kp / 32][16 k-pairs][16 outputs][2]
-void dequant_block(const tokenmill::QuantWeight& q, int64_t n0, uint16_t* buf) {
-  const int64_t chunks = q.Kp / kChunk;
+// One B tile of outputs n0..n0+31 (zero past N): unit u = h * chunks + c is outputs n0 + 16h.. over chunk c, at
+// buf + u * kTile as [16 k-pairs][16 outputs][2] (the block: buf [2][Kp / 32][...])
+void dequant_unit(const tokenmill::QuantWeight& q, int64_t n0, int64_t chunks, int64_t u, uint16_t* buf) {
+  const int64_t h = u / chunks, c = u % chunks;
   __m512i r[16];
-  for (int64_t h = 0; h < 2; ++h) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      for (int i = 0; i < 16; ++i) {
-        const int64_t n = n0 + 16 * h + i;
-        r[i] = n < q.N ? dequant_chunk(q, n, c * kChunk) : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      uint16_t* t = buf + (h * chunks + c) * kTile;
-      for (int i = 0; i < 16; ++i) _mm512_store_si512(t + 32 * i, r[i]);
-    }
+  for (int i = 0; i < 16; ++i) {
+    const int64_t n = n0 + 16 * h + i;
+    r[i] = n < q.N ? dequant_chunk(q, n, c * kChunk) : _mm512_setzero_si512();
   }
+  transpose16(r);
+  uint16_t* t = buf + u * kTile;
+  for (int i = 0; i < 16; ++i) _mm512_store_si512(t + 32 * i, r[i]);
 }
 
 #endif
@@ -136,14 +134,21 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
     tokenmill::AmxTileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
-    auto* buf = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * chunks * kTile * sizeof(uint16_t)));
+    // two block buffers: while the tiles multiply one block, the vector units dequantize the next into the other,
+    // spread evenly over the block's chunk steps, so the two kinds of work overlap
+    const int64_t units = 2 * chunks;
+    auto* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * units * kTile * sizeof(uint16_t)));
     alignas(64) float out[32 * kOut];  // 32 rows of x by the block's 32 outputs
-    const int64_t xstride = Kp * 2;
+    const int64_t xstride = Kp * 2, steps = (Mp + 31) / 32 * chunks;
+    for (int64_t u = 0; u < units; ++u) dequant_unit(q, nb0 * kOut, chunks, u, bufs);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const int64_t n0 = nb * kOut, nn = std::min(kOut, N - n0);
-      dequant_block(q, n0, buf);
-      const uint16_t* b0 = buf;
-      const uint16_t* b1 = buf + chunks * kTile;
+      uint16_t* cur = bufs + ((nb - nb0) % 2) * units * kTile;
+      uint16_t* next = bufs + ((nb - nb0 + 1) % 2) * units * kTile;
+      const bool ahead = nb + 1 < nb1;
+      int64_t done = 0, step = 0;  // units of the next block dequantized: spread evenly over the chunk steps
+      const uint16_t* b0 = cur;
+      const uint16_t* b1 = cur + chunks * kTile;
       for (int64_t m = 0; m < Mp; m += 32) {
         const bool two = m + 16 < Mp;
         const uint16_t* x0 = xpad.data() + m * Kp;
@@ -162,6 +167,7 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
+            for (++step; ahead && done * steps < step * units; ++done) dequant_unit(q, n0 + kOut, chunks, done, next);
           }
           _tile_stored(2, out + 16 * kOut, kOut * 4);
           _tile_stored(3, out + 16 * kOut + 16, kOut * 4);
@@ -172,6 +178,7 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
             _tile_loadd(7, b1 + c * kTile, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
+            for (++step; ahead && done * steps < step * units; ++done) dequant_unit(q, n0 + kOut, chunks, done, next);
           }
         }
         _tile_stored(0, out, kOut * 4);
@@ -187,8 +194,9 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
           if (nn > 16) _mm256_mask_storeu_epi16(yr + 16, k1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v1)));
         }
       }
+      for (; ahead && done < units; ++done) dequant_unit(q, n0 + kOut, chunks, done, next);
     }
-    std::free(buf);
+    std::free(bufs);
     _tile_release();
   });
   return y;
