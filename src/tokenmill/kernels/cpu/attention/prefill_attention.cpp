@@ -22,6 +22,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "avx512.h"
 #define TOKENMILL_PREFILL_DPBF16 1
 #endif
 
@@ -201,30 +203,6 @@ inline void pv_rows(Workspace<D>& ws, int nk, int r0) {
     for (int v = 0; v < NV; ++v) _mm512_store_ps(&ws.o[r0 + r][16 * v], acc[r][v]);
 }
 
-// In-register transpose of a 16 x 16 matrix of 32-bit elements.
-inline void transpose16(__m512i* x) {
-  __m512i t[16], u[16];
-  for (int g = 0; g < 4; ++g) {
-    t[4 * g] = _mm512_unpacklo_epi32(x[4 * g], x[4 * g + 1]);
-    t[4 * g + 1] = _mm512_unpackhi_epi32(x[4 * g], x[4 * g + 1]);
-    t[4 * g + 2] = _mm512_unpacklo_epi32(x[4 * g + 2], x[4 * g + 3]);
-    t[4 * g + 3] = _mm512_unpackhi_epi32(x[4 * g + 2], x[4 * g + 3]);
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // u[4g + k] holds columns k, k+4, k+8, k+12 of rows 4g..4g+3
-    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-    x[k] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    x[4 + k] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    x[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    x[12 + k] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
-
 // Sets the tile's row positions and packs its Q rows (rows past the end repeat the last one, and
 // are never stored); returns the number of real rows.
 template <int D>
@@ -244,7 +222,7 @@ int setup_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16
     for (int c = 0; c < D / 32; ++c) {
       __m512i x[16];
       for (int t = 0; t < 16; ++t) x[t] = _mm512_loadu_si512(qrow[16 * r + t] + 32 * c);
-      transpose16(x);
+      tokenmill::transpose16x16(x);
       for (int t = 0; t < 16; ++t) _mm512_store_si512(&ws.qp[16 * c + t][16 * r], x[t]);
     }
   std::memset(ws.o, 0, sizeof(ws.o));

@@ -1,6 +1,6 @@
-// AVX-512 pieces shared by the CPU attention kernels (attention/paged_decode.cpp,
-// attention/paged_decode_quant.cpp): a 16-lane exp, the online softmax of one head over a tile of 16
-// keys, and the in-lane 4x4 transpose of dwords that puts 4 keys' dims side by side.
+// AVX-512 pieces shared by the CPU kernels (attention/paged_decode.cpp, attention/paged_decode_quant.cpp,
+// attention/prefill_attention.cpp, linear/dequant_amx.cpp): a 16-lane exp, the online softmax of one head over a
+// tile of 16 keys, the in-lane 4x4 transpose of dwords that puts 4 keys' dims side by side, and a 16 x 16 one.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -53,6 +53,21 @@ __attribute__((always_inline)) inline void transpose4x4(const __m512i* x, __m512
   u[1] = _mm512_unpackhi_epi64(t0, t2);
   u[2] = _mm512_unpacklo_epi64(t1, t3);
   u[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// 16 rows of 16 dwords, transposed in place: x[j] becomes dword j of every row
+inline void transpose16x16(__m512i* x) {
+  __m512i u[16];  // u[4g + b], lane L: dword 4L + b of rows 4g..4g+3
+  for (int g = 0; g < 4; ++g) transpose4x4(x + 4 * g, u + 4 * g);
+  for (int b = 0; b < 4; ++b) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512i v0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x44), v1 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xEE);
+    x[b] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    x[4 + b] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    x[8 + b] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    x[12 + b] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
 }
 
 }  // namespace tokenmill

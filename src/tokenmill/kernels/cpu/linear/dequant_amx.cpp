@@ -21,6 +21,8 @@
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_DEQUANT_AMX 1
 #include <immintrin.h>
+
+#include "avx512.h"
 #endif
 
 namespace {
@@ -32,33 +34,6 @@ constexpr int64_t kChunk = 32;  // k a tile row of bf16 pairs
 constexpr int64_t kTile = 16 * kChunk;  // bf16 values in one tile (16 rows x 64 bytes)
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// 16 rows of 16 dwords, transposed in place
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // s[4i + j], lane L: column 4L + j of rows 4i..4i+3
-  __m512i s[16];
-  for (int i = 0; i < 4; ++i) {
-    s[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    s[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    s[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    s[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // a 4 x 4 transpose of 128-bit lanes for each j
-  for (int j = 0; j < 4; ++j) {
-    const __m512i u0 = _mm512_shuffle_i32x4(s[j], s[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(s[j], s[4 + j], 0xEE);
-    const __m512i u2 = _mm512_shuffle_i32x4(s[8 + j], s[12 + j], 0x44);
-    const __m512i u3 = _mm512_shuffle_i32x4(s[8 + j], s[12 + j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
-  }
-}
 
 inline __mmask16 first(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
@@ -95,7 +70,7 @@ void dequant_unit(const tokenmill::QuantWeight& q, int64_t n0, int64_t chunks, i
     const int64_t n = n0 + 16 * h + i;
     r[i] = n < q.N ? dequant_chunk(q, n, c * kChunk) : _mm512_setzero_si512();
   }
-  transpose16(r);
+  tokenmill::transpose16x16(r);
   uint16_t* t = buf + u * kTile;
   for (int i = 0; i < 16; ++i) _mm512_store_si512(t + 32 * i, r[i]);
 }
