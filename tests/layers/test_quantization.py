@@ -17,7 +17,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.arch import load_arch_config
 from tokenmill.config import EngineArgs
 from tokenmill.kernels import load_cpu_kernels
-from tokenmill.layers.quantization import QuantizedLinearMethod, quantized_kernels
+from tokenmill.layers.quantization import AMX_MAX_ROWS, QuantizedLinearMethod, quantized_kernels
+from tokenmill.layers.quantization import reference as ref
 from tokenmill.models.loader import load_model
 from tokenmill.quantization_config import QuantConfig, resolve_quantization
 
@@ -146,3 +147,42 @@ def test_the_fused_decode_path_declines_act_order(model_dirs: dict[str, str], tm
     qw.write_gptq(model_dirs["llama-gqa4-untied"], out, os.path.join(tmp_path, "ref"), 32, act_order=True)
     llm = LLM(out, dtype="bfloat16", kv_cache_memory="8MiB")
     assert llm.engine.core.executor.worker.runner().fused_decode is None  # type: ignore[attr-defined]
+
+
+class _Calls:
+    """The kernels, recording which ops are called."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops, self.called = ops, []  # type: ignore[var-annotated]
+
+    def __getattr__(self, name: str) -> Any:
+        op = getattr(self.ops, name)
+
+        def call(*args: Any) -> Any:
+            self.called.append(name)
+            return op(*args)
+        return call
+
+
+def test_the_int8_lm_head_takes_a_long_batch_in_slices(model_dirs: dict[str, str]) -> None:
+    # more rows than the AMX op takes (prompt logprobs, a very large batch): the int8 lm_head runs them through it
+    # AMX_MAX_ROWS at a time, never through a whole dequantized copy of the vocabulary's weight
+    ops = load_cpu_kernels()
+    if ops is None or not ops.has_dequant_amx():
+        pytest.skip("no AMX-BF16 here: batches over 16 rows multiply a dequantized weight")
+    model_dir = model_dirs["llama-gqa4-untied"]
+    cfg = resolve_quantization(model_dir, "int8")
+    assert cfg is not None and cfg.lm_head
+    model = load_model(model_dir, load_arch_config(model_dir), torch.bfloat16, torch.device("cpu"),
+                       QuantizedLinearMethod(cfg, ops))
+    head = model.lm_head
+    method = head.method
+    assert isinstance(method, QuantizedLinearMethod) and method.split_rows
+    x = torch.randn(2 * AMX_MAX_ROWS + 37, head.input_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    method.kernels = calls = _Calls(method.kernels)
+    got = method.apply(head, x)
+    assert [c for c in calls.called if c != "has_dequant_amx"] == ["int8_linear"] * 3
+    w = method.dequantized_weight(head).bfloat16()
+    expected = ref.linear_ref(x, w, None)
+    bound = 2**-6 * float((x.float().abs() @ w.float().abs().T).max())
+    assert got.shape == expected.shape and float((got.float() - expected.float()).abs().max()) <= bound

@@ -101,11 +101,15 @@ class QuantizedLinearMethod:
     """One LinearMethod for every format and scheme of `cfg`. `ops`: tokenmill's C++ CPU kernels (or
     None: the reference path). `lm_head_ops`: what a float lm_head's method gets."""
 
-    def __init__(self, cfg: QuantConfig, ops: Any = None, lm_head_ops: Any = None) -> None:
+    def __init__(self, cfg: QuantConfig, ops: Any = None, lm_head_ops: Any = None, split_rows: bool = False) -> None:
         self.cfg = cfg
         self.kernels = quantized_kernels(ops, cfg.scheme)
-        self.lm_head_method: LinearMethod = (QuantizedLinearMethod(QuantConfig("rtn", "int8"), ops) if cfg.lm_head
-                                             else UnquantizedLinearMethod(lm_head_ops))
+        # split_rows: batches over AMX_MAX_ROWS bf16 rows go through the AMX op AMX_MAX_ROWS rows at a time, not
+        # through a whole dequantized weight (the int8 lm_head's: the largest weight, rarely over that many rows)
+        self.split_rows = split_rows
+        self.lm_head_method: LinearMethod = (
+            QuantizedLinearMethod(QuantConfig("rtn", "int8"), ops, split_rows=True) if cfg.lm_head
+            else UnquantizedLinearMethod(lm_head_ops))
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         formats.create_checkpoint_params(self.cfg, layer, dtype)
@@ -161,6 +165,10 @@ class QuantizedLinearMethod:
         layout = layout_of(layer)
         rows = x.reshape(-1, layer.input_size)
         kernels = self.kernels if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32) else None
+        if (self.split_rows and kernels is not None and rows.dtype == torch.bfloat16 and self.dequant_amx
+                and rows.shape[0] > AMX_MAX_ROWS and layout.scheme != "w8a8"):
+            parts = [self.apply(layer, r) for r in rows.split(AMX_MAX_ROWS)]
+            return torch.cat(parts).view(*x.shape[:-1], layer.output_size)
         q, scales, k, bias = _t(layer, "qweight"), _t(layer, "scales"), layer.input_size, layer.bias
         if layout.scheme == "w8a8":
             if kernels is not None and rows.shape[0] > W8A8_VNNI_MAX_ROWS and hasattr(layer, "onednn_qweight"):
