@@ -2,9 +2,9 @@
 // AMX-BF16 tiles and no bf16 copy of the whole weight. The outputs are taken 32 at a time. Each block's weight is
 // dequantized into one of two per-thread buffers: the reference's values (q * scale or (q - zero) * scale in fp32,
 // rounded to nearest even, as dequantize_bf16 makes them; K's padding zero), in the B-tile order tdpbf16ps reads
-// (per 32 k, 16 k-pairs of 16 outputs: a 16 x 16 transpose of the rows' pairs). Every 32 rows of x (A tiles, from
-// a zero-padded copy of x) are multiplied by it into four float32 C tiles, while the vector units dequantize the
-// next block into the other buffer. Per output: fp32 sums of the pairs' products, plus the bias, rounded once to
+// (per 32 k, 16 k-pairs of 16 outputs: a 16 x 16 transpose of the rows' pairs). Every 32 rows of x (A tiles, read
+// in place, or from a zero-padded copy where needed) are multiplied by it into four float32 C tiles, while the
+// vector units dequantize the next block into the other buffer. Per output: fp32 sums of the pairs' products, plus the bias, rounded once to
 // bf16. A buffer holds 32 x Kp bf16 (64 KiB at K = 1024), so each weight byte is read from memory once and
 // dequantized once per call.
 #include <ATen/ATen.h>
@@ -95,10 +95,14 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
   const int64_t M = x.size(0), N = q.N, Kp = q.Kp, chunks = Kp / kChunk, Mp = round_up(M, 16);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  // x zero-padded to [Mp, Kp]: the A tiles read whole 16-row, 32-k blocks
-  std::vector<uint16_t> xpad(Mp * Kp, 0);
+  // the A tiles read whole 16-row, 32-k blocks of x: in place where K is a multiple of 32 (all but a last partial
+  // block of rows), else from a zero-padded copy, as are the rows of a partial block ([M_in, Mp) in pad)
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * Kp, xp + m * x.stride(0), q.K * sizeof(uint16_t));
+  const int64_t ldx = x.stride(0), M_in = q.K == Kp ? M / 16 * 16 : 0;
+  std::vector<uint16_t> pad((Mp - M_in) * Kp, 0);
+  for (int64_t m = M_in; m < M; ++m) std::memcpy(pad.data() + (m - M_in) * Kp, xp + m * ldx, q.K * sizeof(uint16_t));
+  auto rows_at = [&](int64_t m) { return m < M_in ? xp + m * ldx : pad.data() + (m - M_in) * Kp; };
+  auto stride_at = [&](int64_t m) { return (m < M_in ? ldx : Kp) * 2; };
   const bool has_bias = bias.has_value() && bias->defined();
   const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!has_bias || b.numel() == N, "dequant_amx_linear: bias must have ", N, " values");
@@ -114,7 +118,7 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
     const int64_t units = 2 * chunks;
     auto* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * units * kTile * sizeof(uint16_t)));
     alignas(64) float out[32 * kOut];  // 32 rows of x by the block's 32 outputs
-    const int64_t xstride = Kp * 2, steps = (Mp + 31) / 32 * chunks;
+    const int64_t steps = (Mp + 31) / 32 * chunks;
     for (int64_t u = 0; u < units; ++u) dequant_unit(q, nb0 * kOut, chunks, u, bufs);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const int64_t n0 = nb * kOut, nn = std::min(kOut, N - n0);
@@ -126,16 +130,18 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
       const uint16_t* b1 = cur + chunks * kTile;
       for (int64_t m = 0; m < Mp; m += 32) {
         const bool two = m + 16 < Mp;
-        const uint16_t* x0 = xpad.data() + m * Kp;
+        const uint16_t* x0 = rows_at(m);
+        const int64_t s0 = stride_at(m);
         _tile_zero(0);
         _tile_zero(1);
         if (two) {
-          const uint16_t* x1 = x0 + 16 * Kp;
+          const uint16_t* x1 = rows_at(m + 16);
+          const int64_t s1 = stride_at(m + 16);
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t c = 0; c < chunks; ++c) {
-            _tile_loadd(4, x0 + c * kChunk, xstride);
-            _tile_loadd(5, x1 + c * kChunk, xstride);
+            _tile_loadd(4, x0 + c * kChunk, s0);
+            _tile_loadd(5, x1 + c * kChunk, s1);
             _tile_loadd(6, b0 + c * kTile, 64);
             _tile_loadd(7, b1 + c * kTile, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -148,7 +154,7 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
           _tile_stored(3, out + 16 * kOut + 16, kOut * 4);
         } else {
           for (int64_t c = 0; c < chunks; ++c) {
-            _tile_loadd(4, x0 + c * kChunk, xstride);
+            _tile_loadd(4, x0 + c * kChunk, s0);
             _tile_loadd(6, b0 + c * kTile, 64);
             _tile_loadd(7, b1 + c * kTile, 64);
             _tile_dpbf16ps(0, 4, 6);
