@@ -209,11 +209,12 @@ needs_amx = pytest.mark.skipif(OPS is None or not OPS.has_dequant_amx(),
 @needs_amx
 @pytest.mark.parametrize("m", [17, 32, 33, 47, 100, 256])
 @pytest.mark.parametrize("n,k,group,zero_point", [(70, 96, 32, False), (33, 200, 64, True), (64, 256, 128, False),
-                                                  (5, 50, None, True), (129, 1024, 128, True)])
+                                                  (5, 50, None, True), (129, 1024, 128, True),
+                                                  (40, 2304, 128, True), (37, 4100, 64, False)])
 def test_dequantized_amx_rows(m: int, n: int, k: int, group: int | None, zero_point: bool) -> None:
     # bf16 batches over KERNEL_MAX_ROWS up to AMX_MAX_ROWS (dequant_amx.cpp): the reference's bf16 weight, a
     # block of 32 outputs at a time, times x in AMX tiles; outputs off the 32-output blocks and the 16-row
-    # tiles, K off 32 and off the group
+    # tiles, K off 32 and off the group; K of 2304 and 4100 take K in slices past 128 and 256 rows (x over 1 MiB)
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=gen) + (0.3 if zero_point else 0)
     x = torch.randn(m, k, generator=gen).bfloat16()

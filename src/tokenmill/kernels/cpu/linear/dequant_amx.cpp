@@ -5,8 +5,9 @@
 // (per 32 k, 16 k-pairs of 16 outputs: a 16 x 16 transpose of the rows' pairs). Every 32 rows of x (A tiles, read
 // in place, or from a zero-padded copy where needed) are multiplied by it into four float32 C tiles, while the
 // vector units dequantize the next block into the other buffer. Per output: fp32 sums of the pairs' products, plus the bias, rounded once to
-// bf16. A buffer holds 32 x Kp bf16 (64 KiB at K = 1024), so each weight byte is read from memory once and
-// dequantized once per call.
+// bf16. Where x's rows would not stay in L2 (over kSliceBytes), K is taken in slices, each thread's blocks all
+// passing over one slice before the next, their C tiles kept in fp32 between slices. A buffer holds 32 outputs
+// of a slice in bf16 (64 KiB at 1024 k), so each weight byte is read from memory once and dequantized once per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +33,8 @@ namespace {
 constexpr int64_t kOut = 32;    // outputs a block: two B tiles of 16
 constexpr int64_t kChunk = 32;  // k a tile row of bf16 pairs
 constexpr int64_t kTile = 16 * kChunk;  // bf16 values in one tile (16 rows x 64 bytes)
+// the most bytes of x's rows one slice of k takes: each thread's blocks pass over a slice while it stays in L2
+constexpr int64_t kSliceBytes = 1 << 20;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -61,14 +64,15 @@ inline __m512i dequant_chunk(const tokenmill::QuantWeight& q, int64_t n, int64_t
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // k0..k0+15 low, k0+16.. high
 }
 
-// One B tile of outputs n0..n0+31 (zero past N): unit u = h * chunks + c is outputs n0 + 16h.. over chunk c, at
-// buf + u * kTile as [16 k-pairs][16 outputs][2] (the block: buf [2][Kp / 32][...])
-void dequant_unit(const tokenmill::QuantWeight& q, int64_t n0, int64_t chunks, int64_t u, uint16_t* buf) {
+// One B tile of outputs n0..n0+31 (zero past N) over a slice of k from k0: unit u = h * chunks + c is outputs
+// n0 + 16h.. over the slice's chunk c, at buf + u * kTile as [16 k-pairs][16 outputs][2] (the block's slice:
+// buf [2][chunks][...])
+void dequant_unit(const tokenmill::QuantWeight& q, int64_t n0, int64_t k0, int64_t chunks, int64_t u, uint16_t* buf) {
   const int64_t h = u / chunks, c = u % chunks;
   __m512i r[16];
   for (int i = 0; i < 16; ++i) {
     const int64_t n = n0 + 16 * h + i;
-    r[i] = n < q.N ? dequant_chunk(q, n, c * kChunk) : _mm512_setzero_si512();
+    r[i] = n < q.N ? dequant_chunk(q, n, k0 + c * kChunk) : _mm512_setzero_si512();
   }
   tokenmill::transpose16x16(r);
   uint16_t* t = buf + u * kTile;
@@ -92,7 +96,7 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
 #ifdef TOKENMILL_DEQUANT_AMX
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == q.K && x.stride(1) == 1,
               "dequant_amx_linear: x must be bf16 [M, ", q.K, "] with contiguous rows");
-  const int64_t M = x.size(0), N = q.N, Kp = q.Kp, chunks = Kp / kChunk, Mp = round_up(M, 16);
+  const int64_t M = x.size(0), N = q.N, Kp = q.Kp, Mp = round_up(M, 16);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   // the A tiles read whole 16-row, 32-k blocks of x: in place where K is a multiple of 32 (all but a last partial
@@ -109,73 +113,105 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
   const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t blocks = (N + kOut - 1) / kOut;
+  // K in slices of kc (a multiple of 32) where Mp rows of all of K would not stay in L2: every block of a thread
+  // passes over one slice before the next, its C tiles kept between slices in fp32 (acc)
+  const int64_t kc = std::min(Kp, std::max<int64_t>(kChunk, kSliceBytes / (Mp * 2) / kChunk * kChunk));
+  const int64_t slices = (Kp + kc - 1) / kc;
   at::parallel_for(0, blocks, 1, [&](int64_t nb0, int64_t nb1) {
     tokenmill::AmxTileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
     // two block buffers: while the tiles multiply one block, the vector units dequantize the next into the other,
     // spread evenly over the block's chunk steps, so the two kinds of work overlap
-    const int64_t units = 2 * chunks;
-    auto* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * units * kTile * sizeof(uint16_t)));
+    const int64_t max_units = 2 * (kc / kChunk);
+    auto* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * max_units * kTile * sizeof(uint16_t)));
+    std::vector<float> acc(slices > 1 ? (nb1 - nb0) * Mp * kOut : 0);  // per block: [Mp][32]
     alignas(64) float out[32 * kOut];  // 32 rows of x by the block's 32 outputs
-    const int64_t steps = (Mp + 31) / 32 * chunks;
-    for (int64_t u = 0; u < units; ++u) dequant_unit(q, nb0 * kOut, chunks, u, bufs);
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const int64_t n0 = nb * kOut, nn = std::min(kOut, N - n0);
-      uint16_t* cur = bufs + ((nb - nb0) % 2) * units * kTile;
-      uint16_t* next = bufs + ((nb - nb0 + 1) % 2) * units * kTile;
-      const bool ahead = nb + 1 < nb1;
-      int64_t done = 0, step = 0;  // units of the next block dequantized: spread evenly over the chunk steps
-      const uint16_t* b0 = cur;
-      const uint16_t* b1 = cur + chunks * kTile;
-      for (int64_t m = 0; m < Mp; m += 32) {
-        const bool two = m + 16 < Mp;
-        const uint16_t* x0 = rows_at(m);
-        const int64_t s0 = stride_at(m);
-        _tile_zero(0);
-        _tile_zero(1);
-        if (two) {
-          const uint16_t* x1 = rows_at(m + 16);
-          const int64_t s1 = stride_at(m + 16);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t c = 0; c < chunks; ++c) {
-            _tile_loadd(4, x0 + c * kChunk, s0);
-            _tile_loadd(5, x1 + c * kChunk, s1);
-            _tile_loadd(6, b0 + c * kTile, 64);
-            _tile_loadd(7, b1 + c * kTile, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-            for (++step; ahead && done * steps < step * units; ++done) dequant_unit(q, n0 + kOut, chunks, done, next);
+    for (int64_t sl = 0; sl < slices; ++sl) {
+      const int64_t k0 = sl * kc, chunks = std::min(kc, Kp - k0) / kChunk, units = 2 * chunks;
+      const bool first_slice = sl == 0, last_slice = sl + 1 == slices;
+      const int64_t steps = (Mp + 31) / 32 * chunks;
+      for (int64_t u = 0; u < units; ++u) dequant_unit(q, nb0 * kOut, k0, chunks, u, bufs);
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const int64_t n0 = nb * kOut, nn = std::min(kOut, N - n0);
+        uint16_t* cur = bufs + ((nb - nb0) % 2) * max_units * kTile;
+        uint16_t* next = bufs + ((nb - nb0 + 1) % 2) * max_units * kTile;
+        const bool ahead = nb + 1 < nb1;
+        int64_t done = 0, step = 0;  // units of the next block dequantized: spread evenly over the chunk steps
+        const uint16_t* b0 = cur;
+        const uint16_t* b1 = cur + chunks * kTile;
+        float* ab = acc.data() + (nb - nb0) * Mp * kOut;
+        for (int64_t m = 0; m < Mp; m += 32) {
+          const bool two = m + 16 < Mp;
+          const uint16_t* x0 = rows_at(m) + k0;
+          const int64_t s0 = stride_at(m);
+          if (first_slice) {
+            _tile_zero(0);
+            _tile_zero(1);
+          } else {
+            _tile_loadd(0, ab + m * kOut, kOut * 4);
+            _tile_loadd(1, ab + m * kOut + 16, kOut * 4);
           }
-          _tile_stored(2, out + 16 * kOut, kOut * 4);
-          _tile_stored(3, out + 16 * kOut + 16, kOut * 4);
-        } else {
-          for (int64_t c = 0; c < chunks; ++c) {
-            _tile_loadd(4, x0 + c * kChunk, s0);
-            _tile_loadd(6, b0 + c * kTile, 64);
-            _tile_loadd(7, b1 + c * kTile, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            for (++step; ahead && done * steps < step * units; ++done) dequant_unit(q, n0 + kOut, chunks, done, next);
+          if (two) {
+            const uint16_t* x1 = rows_at(m + 16) + k0;
+            const int64_t s1 = stride_at(m + 16);
+            if (first_slice) {
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              _tile_loadd(2, ab + (m + 16) * kOut, kOut * 4);
+              _tile_loadd(3, ab + (m + 16) * kOut + 16, kOut * 4);
+            }
+            for (int64_t c = 0; c < chunks; ++c) {
+              _tile_loadd(4, x0 + c * kChunk, s0);
+              _tile_loadd(5, x1 + c * kChunk, s1);
+              _tile_loadd(6, b0 + c * kTile, 64);
+              _tile_loadd(7, b1 + c * kTile, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+              for (++step; ahead && done * steps < step * units; ++done)
+                dequant_unit(q, n0 + kOut, k0, chunks, done, next);
+            }
+            if (last_slice) {
+              _tile_stored(2, out + 16 * kOut, kOut * 4);
+              _tile_stored(3, out + 16 * kOut + 16, kOut * 4);
+            } else {
+              _tile_stored(2, ab + (m + 16) * kOut, kOut * 4);
+              _tile_stored(3, ab + (m + 16) * kOut + 16, kOut * 4);
+            }
+          } else {
+            for (int64_t c = 0; c < chunks; ++c) {
+              _tile_loadd(4, x0 + c * kChunk, s0);
+              _tile_loadd(6, b0 + c * kTile, 64);
+              _tile_loadd(7, b1 + c * kTile, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              for (++step; ahead && done * steps < step * units; ++done)
+                dequant_unit(q, n0 + kOut, k0, chunks, done, next);
+            }
+          }
+          if (!last_slice) {
+            _tile_stored(0, ab + m * kOut, kOut * 4);
+            _tile_stored(1, ab + m * kOut + 16, kOut * 4);
+            continue;
+          }
+          _tile_stored(0, out, kOut * 4);
+          _tile_stored(1, out + 16, kOut * 4);
+          const __mmask16 k0m = first(nn), k1m = first(nn - 16);
+          const __m512 bias0 = bp ? _mm512_maskz_loadu_ps(k0m, bp + n0) : _mm512_setzero_ps();
+          const __m512 bias1 = bp ? _mm512_maskz_loadu_ps(k1m, bp + n0 + 16) : _mm512_setzero_ps();
+          for (int64_t i = 0, rows = std::min<int64_t>(32, M - m); i < rows; ++i) {
+            uint16_t* yr = yp + (m + i) * N + n0;
+            const __m512 v0 = _mm512_add_ps(_mm512_load_ps(out + i * kOut), bias0);
+            const __m512 v1 = _mm512_add_ps(_mm512_load_ps(out + i * kOut + 16), bias1);
+            _mm256_mask_storeu_epi16(yr, k0m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v0)));
+            if (nn > 16) _mm256_mask_storeu_epi16(yr + 16, k1m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v1)));
           }
         }
-        _tile_stored(0, out, kOut * 4);
-        _tile_stored(1, out + 16, kOut * 4);
-        const __mmask16 k0 = first(nn), k1 = first(nn - 16);
-        const __m512 bias0 = bp ? _mm512_maskz_loadu_ps(k0, bp + n0) : _mm512_setzero_ps();
-        const __m512 bias1 = bp ? _mm512_maskz_loadu_ps(k1, bp + n0 + 16) : _mm512_setzero_ps();
-        for (int64_t i = 0, rows = std::min<int64_t>(32, M - m); i < rows; ++i) {
-          uint16_t* yr = yp + (m + i) * N + n0;
-          const __m512 v0 = _mm512_add_ps(_mm512_load_ps(out + i * kOut), bias0);
-          const __m512 v1 = _mm512_add_ps(_mm512_load_ps(out + i * kOut + 16), bias1);
-          _mm256_mask_storeu_epi16(yr, k0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v0)));
-          if (nn > 16) _mm256_mask_storeu_epi16(yr + 16, k1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v1)));
-        }
+        for (; ahead && done < units; ++done) dequant_unit(q, n0 + kOut, k0, chunks, done, next);
       }
-      for (; ahead && done < units; ++done) dequant_unit(q, n0 + kOut, chunks, done, next);
     }
     std::free(bufs);
     _tile_release();
