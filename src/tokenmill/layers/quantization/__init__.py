@@ -165,8 +165,7 @@ class QuantizedLinearMethod:
         layout = layout_of(layer)
         rows = x.reshape(-1, layer.input_size)
         kernels = self.kernels if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32) else None
-        if (self.split_rows and kernels is not None and rows.dtype == torch.bfloat16 and self.dequant_amx
-                and rows.shape[0] > AMX_MAX_ROWS and layout.scheme != "w8a8"):
+        if self.split_rows and kernels is not None and self.max_rows(rows.dtype) == AMX_MAX_ROWS < rows.shape[0]:
             parts = [self.apply(layer, r) for r in rows.split(AMX_MAX_ROWS)]
             return torch.cat(parts).view(*x.shape[:-1], layer.output_size)
         q, scales, k, bias = _t(layer, "qweight"), _t(layer, "scales"), layer.input_size, layer.bias

@@ -1,6 +1,7 @@
 // AVX-512 pieces shared by the CPU kernels (attention/paged_decode.cpp, attention/paged_decode_quant.cpp,
-// attention/prefill_attention.cpp, linear/dequant_amx.cpp): a 16-lane exp, the online softmax of one head over a
-// tile of 16 keys, the in-lane 4x4 transpose of dwords that puts 4 keys' dims side by side, and a 16 x 16 one.
+// attention/prefill_attention.cpp, linear/quantized.cpp, linear/dequant_amx.cpp): a 16-lane exp, the online
+// softmax of one head over a tile of 16 keys, a mask of the first n lanes, the in-lane 4x4 transpose of dwords
+// that puts 4 keys' dims side by side, and a 16 x 16 one.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -43,6 +44,11 @@ inline __m512 tile_softmax(__m512 s, __mmask16 valid, float& m, __m512& l, float
   const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m)), valid);
   l = _mm512_add_ps(l, p);
   return p;
+}
+
+// the first n of 16 lanes (none for n <= 0, all for n >= 16)
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
 }
 
 // 4 rows x[0..3] (16 dwords each) -> u[b] lane (L, k) = dword 4L + b of row k

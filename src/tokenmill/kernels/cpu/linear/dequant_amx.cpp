@@ -4,10 +4,11 @@
 // rounded to nearest even, as dequantize_bf16 makes them; K's padding zero), in the B-tile order tdpbf16ps reads
 // (per 32 k, 16 k-pairs of 16 outputs: a 16 x 16 transpose of the rows' pairs). Every 32 rows of x (A tiles, read
 // in place, or from a zero-padded copy where needed) are multiplied by it into four float32 C tiles, while the
-// vector units dequantize the next block into the other buffer. Per output: fp32 sums of the pairs' products, plus the bias, rounded once to
-// bf16. Where x's rows would not stay in L2 (over kSliceBytes), K is taken in slices, each thread's blocks all
-// passing over one slice before the next, their C tiles kept in fp32 between slices. A buffer holds 32 outputs
-// of a slice in bf16 (64 KiB at 1024 k), so each weight byte is read from memory once and dequantized once per call.
+// vector units dequantize the next block into the other buffer. Per output: fp32 sums of the pairs' products, plus
+// the bias, rounded once to bf16. Where x's rows would not stay in L2 (over kSliceBytes), K is taken in slices,
+// each thread's blocks all passing over one slice before the next, their C tiles kept in fp32 between slices. A
+// buffer holds 32 outputs of a slice in bf16 (64 KiB at 1024 k), so each weight byte is read from memory once and
+// dequantized once per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,9 +39,13 @@ constexpr int64_t kSliceBytes = 1 << 20;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-inline __mmask16 first(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
-}
+// C tile T at the start of a slice: zero on the first, else the sums of the slices before (rows kOut floats apart).
+// A macro: the tile intrinsics take the tile's number as a literal.
+#define TM_BEGIN_SUMS(T, first_slice, before)   \
+  do {                                           \
+    if (first_slice) _tile_zero(T);              \
+    else _tile_loadd(T, (before), kOut * 4);     \
+  } while (0)
 
 // output n's 32 k from k0 as bf16 (zero past K): 16 dwords of k-pairs
 inline __m512i dequant_chunk(const tokenmill::QuantWeight& q, int64_t n, int64_t k0) {
@@ -56,10 +61,12 @@ inline __m512i dequant_chunk(const tokenmill::QuantWeight& q, int64_t n, int64_t
     // a run of 32 k: byte j holds k0 + j in its low nibble and k0 + 16 + j in its high one
     const int64_t g = n * q.groups + k0 / q.group;
     const __m512 sc = _mm512_set1_ps(q.scale[g]), z = _mm512_set1_ps(q.zero ? q.zero[g] : 8.0f);
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w4 + n * (q.Kp / 2) + k0 / 2)));
-    const __m512i nib = _mm512_set1_epi32(0xF);
-    lo = _mm512_maskz_mul_ps(first(left), _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, nib)), z), sc);
-    hi = _mm512_maskz_mul_ps(first(left - 16), _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), z), sc);
+    const auto* run = reinterpret_cast<const __m128i*>(q.w4 + n * (q.Kp / 2) + k0 / 2);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(run));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    lo = _mm512_maskz_mul_ps(tokenmill::first_lanes(left), _mm512_sub_ps(low, z), sc);
+    hi = _mm512_maskz_mul_ps(tokenmill::first_lanes(left - 16), _mm512_sub_ps(high, z), sc);
   }
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // k0..k0+15 low, k0+16.. high
 }
@@ -137,31 +144,29 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
         uint16_t* cur = bufs + ((nb - nb0) % 2) * max_units * kTile;
         uint16_t* next = bufs + ((nb - nb0 + 1) % 2) * max_units * kTile;
         const bool ahead = nb + 1 < nb1;
-        int64_t done = 0, step = 0;  // units of the next block dequantized: spread evenly over the chunk steps
+        int64_t done = 0, step = 0;  // units of the next block dequantized, chunk steps taken
         const uint16_t* b0 = cur;
         const uint16_t* b1 = cur + chunks * kTile;
-        float* ab = acc.data() + (nb - nb0) * Mp * kOut;
+        float* ab = slices > 1 ? acc.data() + (nb - nb0) * Mp * kOut : nullptr;  // this block's sums in acc
+        // the next block's units, spread evenly over this block's chunk steps
+        auto overlap = [&] {
+          for (++step; ahead && done * steps < step * units; ++done) dequant_unit(q, n0 + kOut, k0, chunks, done, next);
+        };
         for (int64_t m = 0; m < Mp; m += 32) {
           const bool two = m + 16 < Mp;
           const uint16_t* x0 = rows_at(m) + k0;
           const int64_t s0 = stride_at(m);
-          if (first_slice) {
-            _tile_zero(0);
-            _tile_zero(1);
-          } else {
-            _tile_loadd(0, ab + m * kOut, kOut * 4);
-            _tile_loadd(1, ab + m * kOut + 16, kOut * 4);
-          }
+          // these rows' sums: from acc before this slice; into out after the last one, else back into acc (both
+          // [rows][kOut])
+          float* before = ab ? ab + m * kOut : out;  // (not read on the first slice)
+          float* sums = last_slice ? out : before;
+          TM_BEGIN_SUMS(0, first_slice, before);
+          TM_BEGIN_SUMS(1, first_slice, before + 16);
           if (two) {
             const uint16_t* x1 = rows_at(m + 16) + k0;
             const int64_t s1 = stride_at(m + 16);
-            if (first_slice) {
-              _tile_zero(2);
-              _tile_zero(3);
-            } else {
-              _tile_loadd(2, ab + (m + 16) * kOut, kOut * 4);
-              _tile_loadd(3, ab + (m + 16) * kOut + 16, kOut * 4);
-            }
+            TM_BEGIN_SUMS(2, first_slice, before + 16 * kOut);
+            TM_BEGIN_SUMS(3, first_slice, before + 16 * kOut + 16);
             for (int64_t c = 0; c < chunks; ++c) {
               _tile_loadd(4, x0 + c * kChunk, s0);
               _tile_loadd(5, x1 + c * kChunk, s1);
@@ -171,16 +176,10 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
               _tile_dpbf16ps(1, 4, 7);
               _tile_dpbf16ps(2, 5, 6);
               _tile_dpbf16ps(3, 5, 7);
-              for (++step; ahead && done * steps < step * units; ++done)
-                dequant_unit(q, n0 + kOut, k0, chunks, done, next);
+              overlap();
             }
-            if (last_slice) {
-              _tile_stored(2, out + 16 * kOut, kOut * 4);
-              _tile_stored(3, out + 16 * kOut + 16, kOut * 4);
-            } else {
-              _tile_stored(2, ab + (m + 16) * kOut, kOut * 4);
-              _tile_stored(3, ab + (m + 16) * kOut + 16, kOut * 4);
-            }
+            _tile_stored(2, sums + 16 * kOut, kOut * 4);
+            _tile_stored(3, sums + 16 * kOut + 16, kOut * 4);
           } else {
             for (int64_t c = 0; c < chunks; ++c) {
               _tile_loadd(4, x0 + c * kChunk, s0);
@@ -188,18 +187,13 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
               _tile_loadd(7, b1 + c * kTile, 64);
               _tile_dpbf16ps(0, 4, 6);
               _tile_dpbf16ps(1, 4, 7);
-              for (++step; ahead && done * steps < step * units; ++done)
-                dequant_unit(q, n0 + kOut, k0, chunks, done, next);
+              overlap();
             }
           }
-          if (!last_slice) {
-            _tile_stored(0, ab + m * kOut, kOut * 4);
-            _tile_stored(1, ab + m * kOut + 16, kOut * 4);
-            continue;
-          }
-          _tile_stored(0, out, kOut * 4);
-          _tile_stored(1, out + 16, kOut * 4);
-          const __mmask16 k0m = first(nn), k1m = first(nn - 16);
+          _tile_stored(0, sums, kOut * 4);
+          _tile_stored(1, sums + 16, kOut * 4);
+          if (!last_slice) continue;
+          const __mmask16 k0m = tokenmill::first_lanes(nn), k1m = tokenmill::first_lanes(nn - 16);
           const __m512 bias0 = bp ? _mm512_maskz_loadu_ps(k0m, bp + n0) : _mm512_setzero_ps();
           const __m512 bias1 = bp ? _mm512_maskz_loadu_ps(k1m, bp + n0 + 16) : _mm512_setzero_ps();
           for (int64_t i = 0, rows = std::min<int64_t>(32, M - m); i < rows; ++i) {
@@ -216,6 +210,7 @@ at::Tensor tokenmill::dequant_amx_linear(const at::Tensor& x, const QuantWeight&
     std::free(bufs);
     _tile_release();
   });
+#undef TM_BEGIN_SUMS
   return y;
 #else
   (void)x;

@@ -43,6 +43,7 @@ constexpr int64_t kVectorMaxRows = 16;  // the most rows the limb kernels take: 
 #include <immintrin.h>
 
 #include "avx2.h"
+#include "avx512.h"
 
 namespace {
 
@@ -156,7 +157,7 @@ void w8a8_rows(const uint8_t* x, int64_t Kp, const int8_t* w, const float* xs, c
 // x's row (bf16) as fp32, 16 values from k (zero past K)
 inline __m512 load_bf16(const uint16_t* x, int64_t k, int64_t K) {
   const int64_t left = K - k;
-  const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  const __mmask16 m = tokenmill::first_lanes(left);
   const __m256i v = _mm256_maskz_loadu_epi16(m, x + k);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
@@ -534,7 +535,8 @@ void n_blocks(int64_t n0, int64_t n1, Fn1 one, FnN many) {
 }
 
 // more bf16 rows than the limb kernels take, up to kAmxMaxRows, where AMX-BF16 runs: the weight dequantized a
-// block at a time (linear/dequant_amx.cpp). Past kAmxMaxRows its x no longer stays in L2 across the blocks.
+// block at a time (linear/dequant_amx.cpp). Past kAmxMaxRows the float sums each thread keeps across K's slices
+// outgrow L2, and the dequantized weight's matmul is faster.
 constexpr int64_t kAmxMaxRows = 256;  // the layer's AMX_MAX_ROWS
 bool amx_rows(const at::Tensor& x) {
   return x.scalar_type() == at::kBFloat16 && x.size(0) > kVectorMaxRows && x.size(0) <= kAmxMaxRows &&
@@ -748,7 +750,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
       auto load = [&](int64_t k) {
         if (bf16) return load_bf16(reinterpret_cast<const uint16_t*>(xp) + m * K, k, K);
         const int64_t left = K - k;
-        const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 mk = tokenmill::first_lanes(left);
         return _mm512_maskz_loadu_ps(mk, reinterpret_cast<const float*>(xp) + m * K + k);
       };
       __m512 amax = _mm512_setzero_ps();
@@ -760,7 +762,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
       for (int64_t k = 0; k < K; k += 16) {
         const __m512i v = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(load(k), sv)), lo), hi);
         const int64_t left = K - k;
-        const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 mk = tokenmill::first_lanes(left);
         _mm_mask_storeu_epi8(qp + m * K + k, mk, _mm512_cvtepi32_epi8(v));
       }
     }
