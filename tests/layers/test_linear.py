@@ -17,6 +17,7 @@ from tokenmill.layers.linear import (
     MergedLinear,
     QKVLinear,
     UnquantizedLinearMethod,
+    WeightStaging,
     gemv_layout_ok,
     linear_gelu,
     packed_linear,
@@ -107,6 +108,63 @@ def test_fused_layers_load_their_shards_and_report_the_missing() -> None:
     gate_up = MergedLinear(16, [6, 6], False, torch.float32, method)
     gate_up.weight_loader(gate_up.weight, torch.ones(6, 16), 1)
     assert gate_up.missing_weights() == ["weight[0]"] and bool((gate_up.weight.data[6:] == 1).all())
+
+
+def _pack_reference(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return packed_linear(weight, bias)(x)
+
+
+def test_staged_fused_layers_are_packed_as_they_complete_and_share_one_buffer() -> None:
+    """Under a model loader (`staging` set), a repacking layer's shards go into a buffer of the staging pool, the
+    layer is packed when its last tensor arrives, and the buffer serves the next layer of that shape."""
+    torch.manual_seed(0)
+    method, staging = UnquantizedLinearMethod(), WeightStaging()
+    layers = [MergedLinear(64, [96, 96], False, torch.bfloat16, method) for _ in range(2)]
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    addresses = []
+    for layer in layers:
+        layer.staging = staging
+        gate, up = (torch.randn(96, 64, dtype=torch.bfloat16) for _ in range(2))
+        layer.weight_loader(layer.weight, up, 1)
+        assert not layer.processed and layer._staged is not None
+        addresses.append(layer._staged.data_ptr())
+        layer.weight_loader(layer.weight, gate, 0)
+        assert layer.processed and layer.packed and layer._staged is None
+        torch.testing.assert_close(layer(x), _pack_reference(torch.cat([gate, up]), None, x), rtol=0, atol=0)
+    assert addresses[0] == addresses[1]  # the first layer's buffer, given back once it was packed
+
+
+def test_a_staged_whole_weight_is_packed_from_the_tensor_it_is_handed() -> None:
+    """A one-shard layer with nothing else to load packs the checkpoint's tensor itself (no copy, no buffer); one
+    with a bias still to come is staged, and packed when the bias arrives; a float32 checkpoint tensor under a
+    bf16 layer is cast into a staged buffer."""
+    torch.manual_seed(1)
+    method, staging = UnquantizedLinearMethod(), WeightStaging()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    weight, bias = torch.randn(80, 64, dtype=torch.bfloat16), torch.randn(80, dtype=torch.bfloat16)
+    plain = Linear(64, 80, False, torch.bfloat16, method)
+    plain.staging = staging
+    plain.weight_loader(plain.weight, weight)
+    assert plain.processed and plain.packed and not staging._free
+    torch.testing.assert_close(plain(x), _pack_reference(weight, None, x), rtol=0, atol=0)
+    biased = Linear(64, 80, True, torch.bfloat16, method)
+    biased.staging = staging
+    biased.weight_loader(biased.weight, weight.float())
+    assert not biased.processed and biased._staged is not None
+    assert biased.bias is not None
+    biased.weight_loader(biased.bias, bias)
+    assert biased.processed and len(staging._free[((80, 64), torch.bfloat16, torch.device("cpu"))]) == 1
+    torch.testing.assert_close(biased(x), _pack_reference(weight, bias, x), rtol=0, atol=0)
+
+
+def test_a_method_that_does_not_repack_is_loaded_and_processed_as_before() -> None:
+    method, staging = UnquantizedLinearMethod(pack=False), WeightStaging()
+    layer = Linear(16, 8, False, torch.bfloat16, method)
+    layer.staging = staging
+    weight = torch.randn(8, 16, dtype=torch.bfloat16)
+    layer.weight_loader(layer.weight, weight)
+    assert not layer.processed and layer._staged is None and layer.weight.data_ptr() != weight.data_ptr()
+    torch.testing.assert_close(layer.weight.data, weight, rtol=0, atol=0)
 
 
 OPS = load_cpu_kernels()

@@ -45,6 +45,9 @@ class Int8WeightOnly:
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         return None
 
+    def repacks(self, layer: LinearBase) -> bool:
+        return False
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         w = layer.weight.float() * layer.weight_scale[:, None]
         return F.linear(x, w.to(x.dtype), layer.bias)

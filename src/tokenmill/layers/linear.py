@@ -40,6 +40,11 @@ class LinearMethod(Protocol):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Turn the loaded parameters into the form `apply` reads (packing, repacking)."""
 
+    def repacks(self, layer: LinearBase) -> bool:
+        """Whether process_weights_after_loading replaces the layer's weight by a new tensor made from it and keeps
+        nothing of the loaded one (a model loader may then assemble the weight in a reused buffer, or hand it
+        the checkpoint's own pages, and process the layer as soon as it is loaded)."""
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size]."""
 
@@ -60,6 +65,22 @@ def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
 def weight_loader_of(param: nn.Parameter) -> WeightLoader:
     loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
     return loader
+
+
+class WeightStaging:
+    """Buffers that repacking layers' weights are loaded into: one is taken when a layer's first shard arrives and
+    given back once the layer is repacked, so that loading a model faults in no memory for its unpacked weights
+    beyond a buffer per shape that is loading at once, reused layer after layer."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        free = self._free.get((tuple(shape), dtype, device or torch.device("cpu")))
+        return free.pop() if free else torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault((tuple(buffer.shape), buffer.dtype, buffer.device), []).append(buffer)
 
 
 class LinearBase(nn.Module):
@@ -83,6 +104,11 @@ class LinearBase(nn.Module):
         if self.tp_reduce is not None and bias:
             raise ValueError("a row-parallel linear layer with a bias is not supported")
         self._loaded: set[tuple[str, ShardId]] = set()  # (parameter name, shard) the checkpoint filled
+        # while a model loader drives the loading (tokenmill.models.loader): the buffers a repacking method's weight
+        # is assembled in; `processed` once the method has processed the loaded layer
+        self.staging: WeightStaging | None = None
+        self._staged: torch.Tensor | None = None  # the staging buffer the weight is being loaded into
+        self.processed = False
         self.method = method
         self.weight: nn.Parameter
         self.bias: nn.Parameter | None = None
@@ -126,7 +152,15 @@ class LinearBase(nn.Module):
         tensor parallelism the tensor is first narrowed to this rank's slice."""
         if (cut := self.slices.get(shard_id)) is not None:
             loaded = cut.take(loaded)
-        if len(self.shard_ids) == 1 and shard_id is None:
+        as_is = False
+        if self.staging is not None and self.method.repacks(self) and param is self.weight:
+            if self._takes_as_is(loaded, shard_id):
+                param.data, as_is = loaded, True  # the checkpoint's pages: repacked below, before the next tensor
+            elif self._staged is None:
+                self._staged = param.data = self.staging.take(param.shape, param.dtype, param.device)
+        if as_is:
+            pass
+        elif len(self.shard_ids) == 1 and shard_id is None:
             default_weight_loader(param, loaded)
         else:
             start, end = self.shard_range(shard_id, param.shape[0])
@@ -140,6 +174,26 @@ class LinearBase(nn.Module):
 
     def mark_loaded(self, param_name: str, shard_id: ShardId = None) -> None:
         self._loaded.add((param_name, shard_id))
+        if self.staging is not None and not self.processed and self.method.repacks(self) and not self.missing_weights():
+            self.process()
+
+    def process(self) -> None:
+        """Have the method process the loaded layer (once); a staging buffer the weight was assembled in goes back."""
+        if self.processed:
+            return
+        staged, self._staged = self._staged, None
+        loaded = self.weight if staged is not None else None
+        self.method.process_weights_after_loading(self)
+        self.processed = True
+        if staged is not None and self.staging is not None and self.weight is not loaded:
+            self.staging.give(staged)
+
+    def _takes_as_is(self, loaded: torch.Tensor, shard_id: ShardId) -> bool:
+        """Whether the weight may be the checkpoint's tensor itself until it is repacked: the whole weight, in its
+        dtype and layout, and nothing else of the layer left to load (so that it is repacked at once)."""
+        return (len(self.shard_ids) == 1 and shard_id is None and loaded.dtype == self.weight.dtype
+                and tuple(loaded.shape) == tuple(self.weight.shape) and loaded.is_contiguous()
+                and loaded.device == self.weight.device and self.missing_weights() == ["weight"])
 
     def missing_weights(self) -> list[str]:
         """This layer's parameters (and shards of them) that nothing loaded."""
@@ -372,13 +426,25 @@ class UnquantizedLinearMethod:
             layer.bias = nn.Parameter(torch.empty(layer.output_size, dtype=dtype), requires_grad=False)
             set_weight_loader(layer.bias, layer.weight_loader)
 
+    def repacks(self, layer: LinearBase) -> bool:
+        """oneDNN packs the weight: bf16 ones where oneDNN multiplies bf16, float32 ones where it has no bf16 path,
+        and bf16-stored ones under a float32 model for bf16_products; on the CPU only."""
+        weight = layer.weight
+        if weight.device.type != "cpu":
+            return False
+        if self.weight_dtype is not None:
+            return self.bf16_products and self.pack
+        return (self.pack and weight.dtype == torch.bfloat16) or (self.pack_float32 and weight.dtype == torch.float32)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight
-        if self.weight_dtype is not None:  # widened in the product, or (bf16_products) multiplied in bf16
-            if self.bf16_products and self.pack and weight.device.type == "cpu":
-                layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
-                layer.packed = True
-                return
+        if self.repacks(layer):
+            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            layer.packed = True
+            if self.weight_dtype is None and self.gemv_ops is not None and self._gemv_reads_shape(layer):
+                self.enable_gemv(layer, self.gemv_ops)
+            return
+        if self.weight_dtype is not None:  # widened in the product
             if self.panel_gemm is not None and weight.device.type == "cpu" and panels_take(layer):
                 layer.weight = nn.Parameter(self.panel_gemm.panels(weight.detach()), requires_grad=False)
                 self.enable_gemv(layer, self.panel_gemm)
@@ -386,14 +452,6 @@ class UnquantizedLinearMethod:
                     layer.tied_embedding(layer.weight)
             elif self.widen_gemv is not None:
                 self.enable_gemv(layer, self.widen_gemv)
-            return
-        packs = (self.pack and weight.dtype == torch.bfloat16) or (self.pack_float32 and weight.dtype == torch.float32)
-        if not (packs and weight.device.type == "cpu"):
-            return
-        layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
-        layer.packed = True
-        if self.gemv_ops is not None and self._gemv_reads_shape(layer):
-            self.enable_gemv(layer, self.gemv_ops)
 
     def _gemv_reads_shape(self, layer: LinearBase) -> bool:
         key = (layer.output_size, layer.input_size)

@@ -7,6 +7,10 @@ each tensor is a view of its memory-mapped file, copied into its parameter strai
 (no buffer in between), and its pages are dropped from the process before the next tensor is read, so
 peak RSS stays near the size of the weights plus the largest tensor. Then every linear layer's method
 post-processes its weights (e.g. packs them for oneDNN, or rearranges bf16 ones into panels in place).
+A layer whose method repacks its weight (oneDNN's packing) is processed as soon as the layer is loaded: a
+whole weight is packed from the checkpoint's mapped tensor itself, a fused one (q/k/v, gate/up) from a
+`WeightStaging` buffer its shards are copied into and which the next layer of that shape reuses, so the
+unpacked weights are never all in memory and no memory is faulted in for them.
 
 A tensor-parallel rank keeps each file's views valid while it reads the file (`keep_views=True`): the layers'
 loaders narrow a view to the rank's slice before copying, so only that slice is read from disk and no
@@ -31,7 +35,7 @@ from torch import nn
 
 from tokenmill.arch import ArchConfig, model_class
 from tokenmill.distributed import PipelineParallel, TensorParallel
-from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod, WeightStaging
 from tokenmill.models.interface import ModelOptions
 
 _ST_DTYPES = {
@@ -153,17 +157,24 @@ def load_model(model_dir: str, cfg: ArchConfig, dtype: torch.dtype, device: torc
                pp: PipelineParallel | None = None) -> nn.Module:
     model = build_model(cfg, dtype, device, linear_method, tp, pp)
     sharded = (tp is not None and tp.size > 1) or (pp is not None and pp.size > 1)
-    with torch.no_grad():
-        loaded = model.load_weights(iterate_checkpoint(model_dir, keep_views=sharded))  # type: ignore[operator]
-        missing = missing_weights(model, loaded)
-        if missing:
-            raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
-        for name, module in model.named_modules():
-            if isinstance(module, LinearBase):
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LinearBase)]
+    staging = WeightStaging()
+    for _, layer in layers:
+        layer.staging = staging
+    try:
+        with torch.no_grad():
+            loaded = model.load_weights(iterate_checkpoint(model_dir, keep_views=sharded))  # type: ignore[operator]
+            missing = missing_weights(model, loaded)
+            if missing:
+                raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
+            for name, layer in layers:
                 try:
-                    module.method.process_weights_after_loading(module)
+                    layer.process()
                 except ValueError as e:
                     raise ValueError(f"checkpoint in {model_dir!r}, layer {name}: {e}") from None
+    finally:
+        for _, layer in layers:
+            layer.staging = None
     return model.eval()
 
 

@@ -114,6 +114,9 @@ class QuantizedLinearMethod:
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         formats.create_checkpoint_params(self.cfg, layer, dtype)
 
+    def repacks(self, layer: LinearBase) -> bool:
+        return False  # (its loaded parameters are read by formats.to_int_weights, after the whole checkpoint)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         w = formats.to_int_weights(self.cfg, layer)
         for name in formats.checkpoint_param_names(layer):
