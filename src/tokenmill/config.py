@@ -132,6 +132,9 @@ class SpeculativeConfig:
     lookahead_ngram: int = 4  # lookahead: the length of the n-grams its pool keeps (key of n - 1, then k)
     lookahead_pool_size: int = 64  # lookahead: continuations kept per key
     draft_kv_cache_memory: int = 256 * 2**20  # draft_model: bytes of the draft's own KV cache
+    # draft_model: how the draft's weights are quantized, as --quantization says it for the target (int8 / int4 /
+    # w8a8 round a float draft at load); None: as the draft checkpoint's quantization_config says (float if none)
+    quantization: str | None = None
     # adaptive: proposing stops for the step when the batch has more running requests than this ...
     max_batch_size: int = 32
     # ... and a request's k shrinks to what its acceptance (an EWMA of accepted / proposed) pays for
@@ -167,10 +170,22 @@ class SpeculativeConfig:
         if spec.method in ("draft_model", "medusa") and not spec.model:
             raise ValueError(f"speculative_config: method {method!r} needs \"model\" (the "
                              f"{'draft checkpoint' if method == 'draft_model' else 'Medusa heads'} directory)")
+        if spec.quantization is not None and spec.method != "draft_model":
+            raise ValueError(f"speculative_config: quantization applies to a draft model's weights, not to method "
+                             f"{spec.method!r}")
         if spec.method == "draft_model":
             assert spec.model is not None
             _check_draft(spec.model, target)
+            try:
+                spec.draft_quantization()
+            except ValueError as e:
+                raise ValueError(f"speculative_config: the draft model: {e}") from None
         return spec
+
+    def draft_quantization(self) -> QuantConfig | None:
+        """The draft model's quantization (`quantization`, else its checkpoint's), None for a float draft."""
+        assert self.model is not None
+        return resolve_quantization(self.model, self.quantization)
 
 
 def _check_draft(draft_dir: str, target: ModelConfig) -> None:

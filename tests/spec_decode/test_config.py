@@ -63,6 +63,12 @@ def test_bad_configs_are_one_clear_error(llama_dir: str, draft_dir: str, model_d
         json.dump(tok, f)
     assert "another tokenizer" in config_error(
         llama_dir, {"method": "draft_model", "num_speculative_tokens": 2, "model": other_tok})
+    assert "quantization applies to a draft model's weights, not to method 'ngram'" in config_error(
+        llama_dir, {"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"})
+    assert "the draft model: quantization 'int3' unknown; choose from" in config_error(
+        llama_dir, {"method": "draft_model", "num_speculative_tokens": 2, "model": draft_dir, "quantization": "int3"})
+    assert "the draft model: --quantization gptq: config.json has no quantization_config" in config_error(
+        llama_dir, {"method": "draft_model", "num_speculative_tokens": 2, "model": draft_dir, "quantization": "gptq"})
 
 
 def test_medusa_without_its_module_fails_at_start_with_a_clear_error(llama_dir: str, tmp_path: Any,

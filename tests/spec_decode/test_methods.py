@@ -168,6 +168,27 @@ def test_a_thousand_requests_aborted_at_random_leave_no_block_in_either_cache(ll
     assert draft_cache_is_free(llm)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_draft_leaves_the_greedy_output_as_it_was(llama_dir: str, draft_dir: str,
+                                                              quantization: str) -> None:
+    """speculative_config's `quantization` rounds the draft's weights at load (the target stays float): the draft
+    proposes through the quantized kernels, and the target's verification keeps every token."""
+    from tokenmill.layers.quantization import QuantizedLinearMethod
+
+    params = greedy_params()
+    prompts = [ALL[i % len(ALL)] for i in range(len(params))]
+    want = run(tiny(llama_dir, **CONFIGS["mixed"]), prompts, params)
+    llm = tiny(llama_dir, **CONFIGS["mixed"],
+               speculative_config=spec_config("draft_model", draft_dir, k=4, adaptive=False, quantization=quantization))
+    model = llm.engine.core.executor.worker.model_runner.proposer.proposer.model
+    methods = {type(m.method) for m in model.modules() if hasattr(m, "method")}
+    assert methods == {QuantizedLinearMethod}
+    target = llm.engine.core.executor.worker.model
+    assert not any(isinstance(getattr(m, "method", None), QuantizedLinearMethod) for m in target.modules())
+    assert_same(want, run(llm, prompts, params))
+    assert llm.engine.core.scheduler.spec.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])  # 0: the draft's fused argmax (decode_greedy)
 # float32: the fused path's float32 form (an AVX2-only CPU, where oneDNN packs float32 weights)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

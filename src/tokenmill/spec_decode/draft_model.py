@@ -29,7 +29,8 @@ from tokenmill.config import SpeculativeConfig, bf16_weights_kept
 from tokenmill.kv_cache_spec import FullAttentionSpec, KVCacheConfig, plan_kv_cache
 from tokenmill.layers import use_cpu_kernels
 from tokenmill.layers.attention import attention_layers
-from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearMethod, UnquantizedLinearMethod
+from tokenmill.layers.quantization import QuantizedLinearMethod
 from tokenmill.models.loader import TORCH_DTYPES, load_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import ProposalInput, ProposerContext
@@ -91,9 +92,16 @@ class DraftModelProposer:
         cfg = ctx.engine_config
         arch = load_arch_config(spec.model)
         dtype = TORCH_DTYPES[cfg.model.dtype]
-        # the target's float method where the draft's checkpoint may keep bf16 weights as the target's does
-        method = (ctx.linear_method() if ctx.linear_method is not None and bf16_weights_kept(arch)
-                  else UnquantizedLinearMethod(ctx.ops))
+        # its quantized method (`quantization`, or its checkpoint's), else the target's float method where the draft's
+        # checkpoint may keep bf16 weights as the target's does
+        quant = spec.draft_quantization()
+        method: LinearMethod
+        if quant is not None:
+            method = QuantizedLinearMethod(quant, ctx.kernels, ctx.ops)
+        elif ctx.linear_method is not None and bf16_weights_kept(arch):
+            method = ctx.linear_method()
+        else:
+            method = UnquantizedLinearMethod(ctx.ops)
         model = load_model(spec.model, arch, dtype, ctx.device, method)
         if ctx.fuse_elementwise is not None:
             ctx.fuse_elementwise(model)
