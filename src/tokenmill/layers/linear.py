@@ -149,7 +149,9 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy a checkpoint tensor into its rows of a parameter whose first dimension is the output
         dimension (weight, bias, per-channel scales); a one-shard layer takes the whole tensor. Under
-        tensor parallelism the tensor is first narrowed to this rank's slice."""
+        tensor parallelism the tensor is first narrowed to this rank's slice. With `staging` set and a method that
+        repacks, the weight is the tensor itself (a whole weight, the layer's last tensor) or a staging buffer, and
+        the layer is processed once its last tensor is in (mark_loaded)."""
         if (cut := self.slices.get(shard_id)) is not None:
             loaded = cut.take(loaded)
         as_is = False
