@@ -146,10 +146,13 @@ class CpuBackend(SdpaBackend):
         self.ops = load_cpu_kernels()
         self._prefill_dims: dict[int, bool] = {}
         # a step whose prefill reaches SDPA_PREFILL_MIN_CONTEXT positions runs its prefill chunks through SDPA
-        # rather than the C++ kernel where this process may run AMX-BF16 (decided once a step, in prepare):
-        # torch's flash attention takes its tile products there, the kernel takes VDPBF16PS (bench/README.md,
-        # 'Measurements behind the code'); decodes keep the C++ paged decode either way
-        self.sdpa_prefill = self.ops is not None and bool(self.ops.gemv_sees_amx_bf16())
+        # rather than the C++ kernel where this process may run AMX-BF16 but the kernel was built without its AMX
+        # path (decided once a step, in prepare): torch's flash attention takes its tile products there, that
+        # kernel VDPBF16PS (bench/README.md, 'Measurements behind the code'). With the kernel's AMX path
+        # (`has_prefill_amx`) it takes every context (as fast as SDPA's at 1,000-2,000 positions, K/V read in
+        # place). Decodes keep the C++ paged decode either way.
+        self.prefill_amx = self.ops is not None and bool(self.ops.has_prefill_amx())
+        self.sdpa_prefill = self.ops is not None and bool(self.ops.gemv_sees_amx_bf16()) and not self.prefill_amx
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         d = meta.num_decodes
@@ -197,7 +200,7 @@ class CpuBackend(SdpaBackend):
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
         # all prefill chunks in one call, K/V read in place from the cache (kernels/cpu/attention/prefill_attention.cpp)
         self.ops.prefill_attention(q, k_cache, v_cache, meta.extra["prefill_tables"], meta.extra["prefill_starts"],
-                                   meta.extra["prefill_lens"], scale, meta.sliding_window or 0, out)
+                                   meta.extra["prefill_lens"], scale, meta.sliding_window or 0, out, self.prefill_amx)
         return out
 
     def _forward_quantized(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,

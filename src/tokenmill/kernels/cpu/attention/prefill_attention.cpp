@@ -9,6 +9,8 @@
 //   softmax max/sum are lane-wise (no horizontal reductions);
 // - PV has lanes = head dim: V is packed per chunk as vp[key pair][d] (the two keys of a pair
 //   interleaved), P as pp[key pair][row] bf16 pairs, broadcast per row.
+// Where AMX-BF16 runs (checked at run time), the same tile's two products run on AMX tiles over the same
+// packed operands (run_tile_amx): qp and pp are already the B tiles tdpbf16ps reads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,7 +27,12 @@
 
 #include "avx512.h"
 #define TOKENMILL_PREFILL_DPBF16 1
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define TOKENMILL_PREFILL_AMX 1
 #endif
+#endif
+
+#include "kernels.h"
 
 namespace {
 
@@ -70,6 +77,11 @@ struct Workspace {
   alignas(64) int32_t lo[TR];  // keys at or below lo are outside the window
   const uint16_t* kptr[KC];
   const uint16_t* vptr[KC];
+#ifdef TOKENMILL_PREFILL_AMX
+  alignas(64) uint16_t kbuf[KC][D];  // the chunk's K rows, gathered: the A tiles of the scores
+  alignas(64) float ot[D][TR];       // the running output, transposed: rescaled lane-wise by row
+  alignas(64) uint32_t vt[16][16];   // one A tile of PV: 16 d of V^T over 16 key pairs
+#endif
 };
 
 inline uint32_t load_pair(const uint16_t* p) {
@@ -267,6 +279,102 @@ void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_
   }
 }
 
+#ifdef TOKENMILL_PREFILL_AMX
+// run_tile with both products on AMX-BF16 tiles (0-2: the C tiles of the tile's three 16-row blocks, 3: A, 4-6: B):
+// - scores, C[key][row]: 16 gathered K rows (16 keys x 32 d) times qp's 16 d pairs x 16 rows, stored straight into
+//   s[key][row];
+// - PV, transposed, C[d][row]: V^T (16 d x 16 key pairs: vp transposed) times pp's 16 key pairs x 16 rows, added
+//   to ot[d][row], which each chunk first rescales row-wise (lanes = rows, as corr).
+// Every chunk takes all KC keys in PV: P is zero past the chunk's last key (pp cleared), where V is the zero row.
+template <int D>
+void run_tile_amx(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_t* zero_row) {
+  static_assert(RV == 3, "three C tiles hold a tile's rows");
+  const uint16_t* qrow[TR];
+  int64_t out_off[TR];
+  const int rows = setup_tile(pr, it, ws, qrow, out_off);
+  std::memset(ws.ot, 0, sizeof(ws.ot));
+  const int64_t min_q = ws.qpos[0], max_q = ws.qpos[rows - 1];
+  const int64_t kstart = pr.window > 0 ? std::max<int64_t>(0, min_q - pr.window + 1) : 0;
+  const int32_t* table = pr.tables + it.seq * pr.max_blocks;
+  const int64_t row_len = pr.hk * D;
+  const __m512 cv = _mm512_set1_ps(pr.c);
+  __m512 m[RV], l[RV];
+  for (int r = 0; r < RV; ++r) m[r] = _mm512_set1_ps(kMasked), l[r] = _mm512_setzero_ps();
+  for (int64_t c0 = kstart / KC * KC; c0 <= max_q; c0 += KC) {
+    for (int j = 0; j < KC; ++j) {
+      const int64_t k = c0 + j;
+      const int64_t off = (table[k / pr.bs] * pr.bs + k % pr.bs) * row_len + it.head * D;
+      ws.kptr[j] = k <= max_q ? pr.kc + off : zero_row;
+      ws.vptr[j] = k <= max_q ? pr.vc + off : zero_row;
+    }
+    const int nk = static_cast<int>(std::min<int64_t>(KC, (max_q - c0) / KG * KG + KG));
+    const int groups = (nk + 15) / 16;
+    for (int j = 0; j < 16 * groups; ++j) std::memcpy(ws.kbuf[j], ws.kptr[j], D * sizeof(uint16_t));
+    for (int g = 0; g < groups; ++g) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      for (int c = 0; c < D / 32; ++c) {
+        _tile_loadd(3, &ws.kbuf[16 * g][32 * c], D * sizeof(uint16_t));
+        _tile_loadd(4, &ws.qp[16 * c][0], TR * 4);
+        _tile_loadd(5, &ws.qp[16 * c][16], TR * 4);
+        _tile_loadd(6, &ws.qp[16 * c][32], TR * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+      }
+      _tile_stored(0, &ws.s[16 * g][0], TR * 4);
+      _tile_stored(1, &ws.s[16 * g][16], TR * 4);
+      _tile_stored(2, &ws.s[16 * g][32], TR * 4);
+    }
+    for (int j = 0; j < nk; ++j)
+      for (int r = 0; r < RV; ++r) _mm512_store_ps(&ws.s[j][16 * r], _mm512_mul_ps(_mm512_load_ps(&ws.s[j][16 * r]), cv));
+    if (c0 + nk - 1 > min_q || (pr.window > 0 && c0 <= max_q - pr.window)) mask_chunk(ws, c0, nk);
+    softmax_chunk(ws, nk, m, l);
+    std::memset(ws.pp[nk / 2], 0, sizeof(ws.pp[0]) * (KC / 2 - nk / 2));
+    pack_v(ws, KC);
+    for (int r = 0; r < RV; ++r) {
+      const __m512 corr = _mm512_load_ps(&ws.corr[16 * r]);
+      for (int d = 0; d < D; ++d) _mm512_store_ps(&ws.ot[d][16 * r], _mm512_mul_ps(_mm512_load_ps(&ws.ot[d][16 * r]), corr));
+    }
+    for (int b = 0; b < D / 16; ++b) {
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i) x[i] = _mm512_load_si512(&ws.vp[i][16 * b]);
+      tokenmill::transpose16x16(x);  // x[d]: d = 16b + d's pairs over the 16 key pairs
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(ws.vt[i], x[i]);
+      _tile_loadd(3, ws.vt, 64);
+      _tile_loadd(0, &ws.ot[16 * b][0], TR * 4);
+      _tile_loadd(1, &ws.ot[16 * b][16], TR * 4);
+      _tile_loadd(2, &ws.ot[16 * b][32], TR * 4);
+      _tile_loadd(4, &ws.pp[0][0], TR * 4);
+      _tile_loadd(5, &ws.pp[0][16], TR * 4);
+      _tile_loadd(6, &ws.pp[0][32], TR * 4);
+      _tile_dpbf16ps(0, 3, 4);
+      _tile_dpbf16ps(1, 3, 5);
+      _tile_dpbf16ps(2, 3, 6);
+      _tile_stored(0, &ws.ot[16 * b][0], TR * 4);
+      _tile_stored(1, &ws.ot[16 * b][16], TR * 4);
+      _tile_stored(2, &ws.ot[16 * b][32], TR * 4);
+    }
+  }
+  // out[row] = ot[.][row] / l[row]: 16 x 16 blocks transposed back to rows
+  for (int r = 0; r < RV && 16 * r < rows; ++r) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[r]));
+    for (int b = 0; b < D / 16; ++b) {
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i) x[i] = _mm512_load_si512(&ws.ot[16 * b + i][16 * r]);
+      tokenmill::transpose16x16(x);  // x[t]: row 16r + t's 16 d
+      for (int t = 0; t < 16 && 16 * r + t < rows; ++t) {
+        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(x[t]), _mm512_set1_ps(inv[t]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr.out + out_off[16 * r + t] + 16 * b),
+                            (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+#endif
+
 // Work items: the sequences most expensive first, then by kv head (its K/V stay in cache across
 // the head's tiles), the longest tiles first; taken from a shared counter, this balances threads.
 std::vector<Item> make_items(const Problem& pr, int64_t num_seqs) {
@@ -285,18 +393,37 @@ std::vector<Item> make_items(const Problem& pr, int64_t num_seqs) {
 }
 
 template <int D>
-void prefill(const Problem& pr, int64_t num_seqs) {
+void prefill(const Problem& pr, int64_t num_seqs, bool amx) {
   const std::vector<Item> items = make_items(pr, num_seqs);
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   alignas(64) static const uint16_t zero_row[128] = {};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::unique_ptr<Workspace<D>> ws(new Workspace<D>);  // default-initialised: no zeroing
+#ifdef TOKENMILL_PREFILL_AMX
+    if (amx) {
+      tokenmill::AmxTileConfig cfg;
+      for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+      _tile_loadconfig(&cfg);
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) run_tile_amx<D>(pr, items[i], *ws, zero_row);
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) run_tile<D>(pr, items[i], *ws, zero_row);
   });
 }
 
 #endif  // TOKENMILL_PREFILL_DPBF16
+
+// whether prefill_attention runs its products on AMX-BF16 tiles here (compiled in, and the CPU grants it)
+bool has_prefill_amx() {
+#ifdef TOKENMILL_PREFILL_AMX
+  return tokenmill::amx_bf16_permitted();
+#else
+  return false;
+#endif
+}
 
 bool has_prefill_kernel(int64_t head_dim) {
 #ifdef TOKENMILL_PREFILL_DPBF16
@@ -311,7 +438,7 @@ bool has_prefill_kernel(int64_t head_dim) {
 // block_tables (their K/V already in the cache). bf16 only; see has_prefill_kernel.
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                       const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
+                       const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out, bool amx) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "prefill_attention: q's heads must be contiguous rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
@@ -337,9 +464,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                    qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), tables.data_ptr<int32_t>(),
                    tables.size(1), hq, hk, k_cache.size(1), q.stride(0),
                    static_cast<float>(scale) * kLog2e, window};
-  if (dim == 32) prefill<32>(pr, num_seqs);
-  else if (dim == 64) prefill<64>(pr, num_seqs);
-  else prefill<128>(pr, num_seqs);
+  const bool tiles = amx && has_prefill_amx();
+  if (dim == 32) prefill<32>(pr, num_seqs, tiles);
+  else if (dim == 64) prefill<64>(pr, num_seqs, tiles);
+  else prefill<128>(pr, num_seqs, tiles);
+#else
+  (void)amx;
 #endif
 }
 
@@ -347,8 +477,10 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("has_prefill_kernel(int head_dim) -> bool", &has_prefill_kernel);
+  m.def("has_prefill_amx() -> bool", &has_prefill_amx);
+  // amx: take AMX-BF16 tiles where has_prefill_amx (False: the VDPBF16PS products everywhere, their reference)
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale, int window, Tensor(a!) out) -> ()");
+        "Tensor seq_lens, float scale, int window, Tensor(a!) out, bool amx=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
