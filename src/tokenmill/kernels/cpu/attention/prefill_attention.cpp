@@ -10,7 +10,7 @@
 // - PV has lanes = head dim: V is packed per chunk as vp[key pair][d] (the two keys of a pair
 //   interleaved), P as pp[key pair][row] bf16 pairs, broadcast per row.
 // Where AMX-BF16 runs (checked at run time), the same tile's two products run on AMX tiles over the same
-// packed operands (run_tile_amx): qp and pp are already the B tiles tdpbf16ps reads.
+// packed operands (scores_amx, pv_amx): qp and pp are already the B tiles tdpbf16ps reads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -241,13 +241,103 @@ int setup_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16
   return rows;
 }
 
+#ifdef TOKENMILL_PREFILL_AMX
+// The AMX-BF16 form of a tile's products (tiles 0-2: the C tiles of the tile's three 16-row blocks, 3: A, 4-6: B):
+// - scores, C[key][row]: 16 gathered K rows (16 keys x 32 d) times qp's 16 d pairs x 16 rows, stored straight into
+//   s[key][row], then scaled;
+// - PV, transposed, C[d][row]: V^T (16 d x 16 key pairs: vp transposed) times pp's 16 key pairs x 16 rows, added
+//   to ot[d][row], which each chunk first rescales row-wise (lanes = rows, as corr). PV takes all KC keys: P is
+//   zero past the chunk's last key (pp cleared), where V is the zero row.
+// The tile's three 16-row blocks, at columns 0, 16 and 32 of a [.][TR] array of 4-byte elements: C tiles 0-2 loaded
+// from or stored to it, or B tiles 4-6 loaded from it and multiplied by A (tile 3) into C. Macros: the tile
+// intrinsics take the tile's number as a literal.
+#define TM_ROW_BLOCKS(op, p) \
+  do {                       \
+    op(0, (p), TR * 4);      \
+    op(1, (p) + 16, TR * 4); \
+    op(2, (p) + 32, TR * 4); \
+  } while (0)
+#define TM_DP_ROW_BLOCKS(p)              \
+  do {                                   \
+    _tile_loadd(4, (p), TR * 4);         \
+    _tile_loadd(5, (p) + 16, TR * 4);    \
+    _tile_loadd(6, (p) + 32, TR * 4);    \
+    _tile_dpbf16ps(0, 3, 4);             \
+    _tile_dpbf16ps(1, 3, 5);             \
+    _tile_dpbf16ps(2, 3, 6);             \
+  } while (0)
+
 template <int D>
+void scores_amx(Workspace<D>& ws, int nk, float c) {
+  static_assert(RV == 3, "three C tiles hold a tile's rows");
+  const int groups = (nk + 15) / 16;
+  for (int j = 0; j < 16 * groups; ++j) std::memcpy(ws.kbuf[j], ws.kptr[j], D * sizeof(uint16_t));
+  for (int g = 0; g < groups; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int k = 0; k < D / 32; ++k) {
+      _tile_loadd(3, &ws.kbuf[16 * g][32 * k], D * sizeof(uint16_t));
+      TM_DP_ROW_BLOCKS(&ws.qp[16 * k][0]);
+    }
+    TM_ROW_BLOCKS(_tile_stored, &ws.s[16 * g][0]);
+  }
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int j = 0; j < nk; ++j)
+    for (int r = 0; r < RV; ++r) _mm512_store_ps(&ws.s[j][16 * r], _mm512_mul_ps(_mm512_load_ps(&ws.s[j][16 * r]), cv));
+}
+
+template <int D>
+void pv_amx(Workspace<D>& ws, int nk) {
+  std::memset(ws.pp[nk / 2], 0, sizeof(ws.pp[0]) * (KC / 2 - nk / 2));
+  pack_v(ws, KC);
+  for (int r = 0; r < RV; ++r) {
+    const __m512 corr = _mm512_load_ps(&ws.corr[16 * r]);
+    for (int d = 0; d < D; ++d) _mm512_store_ps(&ws.ot[d][16 * r], _mm512_mul_ps(_mm512_load_ps(&ws.ot[d][16 * r]), corr));
+  }
+  for (int b = 0; b < D / 16; ++b) {
+    __m512i x[16];
+    for (int i = 0; i < 16; ++i) x[i] = _mm512_load_si512(&ws.vp[i][16 * b]);
+    tokenmill::transpose16x16(x);  // x[d]: d = 16b + d's pairs over the 16 key pairs
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(ws.vt[i], x[i]);
+    _tile_loadd(3, ws.vt, 64);
+    TM_ROW_BLOCKS(_tile_loadd, &ws.ot[16 * b][0]);
+    TM_DP_ROW_BLOCKS(&ws.pp[0][0]);
+    TM_ROW_BLOCKS(_tile_stored, &ws.ot[16 * b][0]);
+  }
+}
+
+// out[row] = ot[.][row] / l[row]: 16 x 16 blocks transposed back to rows
+template <int D>
+void store_rows_amx(const Problem& pr, Workspace<D>& ws, int rows, const int64_t* out_off) {
+  for (int r = 0; r < RV && 16 * r < rows; ++r) {
+    for (int b = 0; b < D / 16; ++b) {
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i) x[i] = _mm512_load_si512(&ws.ot[16 * b + i][16 * r]);
+      tokenmill::transpose16x16(x);  // x[t]: row 16r + t's 16 d
+      for (int t = 0; t < 16 && 16 * r + t < rows; ++t) {
+        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(x[t]), _mm512_set1_ps(1.f / ws.l[16 * r + t]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr.out + out_off[16 * r + t] + 16 * b),
+                            (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+#undef TM_ROW_BLOCKS
+#undef TM_DP_ROW_BLOCKS
+#endif
+
+// kAmx: the products on AMX-BF16 tiles (scores_amx, pv_amx, the output kept transposed), else VDPBF16PS
+template <int D, bool kAmx>
 void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_t* zero_row) {
   constexpr int RB = D == 32 ? 12 : D == 64 ? 6 : 3;
   static_assert(TR % RB == 0, "row blocks must tile the query tile");
   const uint16_t* qrow[TR];
   int64_t out_off[TR];
   const int rows = setup_tile(pr, it, ws, qrow, out_off);
+#ifdef TOKENMILL_PREFILL_AMX
+  if constexpr (kAmx) std::memset(ws.ot, 0, sizeof(ws.ot));
+#endif
   const int64_t min_q = ws.qpos[0], max_q = ws.qpos[rows - 1];
   const int64_t kstart = pr.window > 0 ? std::max<int64_t>(0, min_q - pr.window + 1) : 0;
   const int32_t* table = pr.tables + it.seq * pr.max_blocks;
@@ -263,117 +353,34 @@ void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_
     }
     // keys past the tile's last row are skipped in whole groups of KG
     const int nk = static_cast<int>(std::min<int64_t>(KC, (max_q - c0) / KG * KG + KG));
-    for (int j = 0; j < nk; j += KG) scores(ws, ws.kptr + j, ws.s + j, pr.c);
+#ifdef TOKENMILL_PREFILL_AMX
+    if constexpr (kAmx) scores_amx(ws, nk, pr.c);
+#endif
+    if constexpr (!kAmx)
+      for (int j = 0; j < nk; j += KG) scores(ws, ws.kptr + j, ws.s + j, pr.c);
     if (c0 + nk - 1 > min_q || (pr.window > 0 && c0 <= max_q - pr.window)) mask_chunk(ws, c0, nk);
     softmax_chunk(ws, nk, m, l);
-    pack_v(ws, nk);
-    for (int r0 = 0; r0 < rows; r0 += RB) pv_rows<D, RB>(ws, nk, r0);
+#ifdef TOKENMILL_PREFILL_AMX
+    if constexpr (kAmx) pv_amx(ws, nk);
+#endif
+    if constexpr (!kAmx) {
+      pack_v(ws, nk);
+      for (int r0 = 0; r0 < rows; r0 += RB) pv_rows<D, RB>(ws, nk, r0);
+    }
   }
   for (int r = 0; r < RV; ++r) _mm512_store_ps(&ws.l[16 * r], l[r]);
-  for (int t = 0; t < rows; ++t) {
-    uint16_t* dst = pr.out + out_off[t];
-    const __m512 inv = _mm512_set1_ps(1.f / ws.l[t]);
-    for (int v = 0; v < D / 16; ++v)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * v),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&ws.o[t][16 * v]), inv)));
-  }
-}
-
 #ifdef TOKENMILL_PREFILL_AMX
-// run_tile with both products on AMX-BF16 tiles (0-2: the C tiles of the tile's three 16-row blocks, 3: A, 4-6: B):
-// - scores, C[key][row]: 16 gathered K rows (16 keys x 32 d) times qp's 16 d pairs x 16 rows, stored straight into
-//   s[key][row];
-// - PV, transposed, C[d][row]: V^T (16 d x 16 key pairs: vp transposed) times pp's 16 key pairs x 16 rows, added
-//   to ot[d][row], which each chunk first rescales row-wise (lanes = rows, as corr).
-// Every chunk takes all KC keys in PV: P is zero past the chunk's last key (pp cleared), where V is the zero row.
-template <int D>
-void run_tile_amx(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_t* zero_row) {
-  static_assert(RV == 3, "three C tiles hold a tile's rows");
-  const uint16_t* qrow[TR];
-  int64_t out_off[TR];
-  const int rows = setup_tile(pr, it, ws, qrow, out_off);
-  std::memset(ws.ot, 0, sizeof(ws.ot));
-  const int64_t min_q = ws.qpos[0], max_q = ws.qpos[rows - 1];
-  const int64_t kstart = pr.window > 0 ? std::max<int64_t>(0, min_q - pr.window + 1) : 0;
-  const int32_t* table = pr.tables + it.seq * pr.max_blocks;
-  const int64_t row_len = pr.hk * D;
-  const __m512 cv = _mm512_set1_ps(pr.c);
-  __m512 m[RV], l[RV];
-  for (int r = 0; r < RV; ++r) m[r] = _mm512_set1_ps(kMasked), l[r] = _mm512_setzero_ps();
-  for (int64_t c0 = kstart / KC * KC; c0 <= max_q; c0 += KC) {
-    for (int j = 0; j < KC; ++j) {
-      const int64_t k = c0 + j;
-      const int64_t off = (table[k / pr.bs] * pr.bs + k % pr.bs) * row_len + it.head * D;
-      ws.kptr[j] = k <= max_q ? pr.kc + off : zero_row;
-      ws.vptr[j] = k <= max_q ? pr.vc + off : zero_row;
-    }
-    const int nk = static_cast<int>(std::min<int64_t>(KC, (max_q - c0) / KG * KG + KG));
-    const int groups = (nk + 15) / 16;
-    for (int j = 0; j < 16 * groups; ++j) std::memcpy(ws.kbuf[j], ws.kptr[j], D * sizeof(uint16_t));
-    for (int g = 0; g < groups; ++g) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      for (int c = 0; c < D / 32; ++c) {
-        _tile_loadd(3, &ws.kbuf[16 * g][32 * c], D * sizeof(uint16_t));
-        _tile_loadd(4, &ws.qp[16 * c][0], TR * 4);
-        _tile_loadd(5, &ws.qp[16 * c][16], TR * 4);
-        _tile_loadd(6, &ws.qp[16 * c][32], TR * 4);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_dpbf16ps(1, 3, 5);
-        _tile_dpbf16ps(2, 3, 6);
-      }
-      _tile_stored(0, &ws.s[16 * g][0], TR * 4);
-      _tile_stored(1, &ws.s[16 * g][16], TR * 4);
-      _tile_stored(2, &ws.s[16 * g][32], TR * 4);
-    }
-    for (int j = 0; j < nk; ++j)
-      for (int r = 0; r < RV; ++r) _mm512_store_ps(&ws.s[j][16 * r], _mm512_mul_ps(_mm512_load_ps(&ws.s[j][16 * r]), cv));
-    if (c0 + nk - 1 > min_q || (pr.window > 0 && c0 <= max_q - pr.window)) mask_chunk(ws, c0, nk);
-    softmax_chunk(ws, nk, m, l);
-    std::memset(ws.pp[nk / 2], 0, sizeof(ws.pp[0]) * (KC / 2 - nk / 2));
-    pack_v(ws, KC);
-    for (int r = 0; r < RV; ++r) {
-      const __m512 corr = _mm512_load_ps(&ws.corr[16 * r]);
-      for (int d = 0; d < D; ++d) _mm512_store_ps(&ws.ot[d][16 * r], _mm512_mul_ps(_mm512_load_ps(&ws.ot[d][16 * r]), corr));
-    }
-    for (int b = 0; b < D / 16; ++b) {
-      __m512i x[16];
-      for (int i = 0; i < 16; ++i) x[i] = _mm512_load_si512(&ws.vp[i][16 * b]);
-      tokenmill::transpose16x16(x);  // x[d]: d = 16b + d's pairs over the 16 key pairs
-      for (int i = 0; i < 16; ++i) _mm512_store_si512(ws.vt[i], x[i]);
-      _tile_loadd(3, ws.vt, 64);
-      _tile_loadd(0, &ws.ot[16 * b][0], TR * 4);
-      _tile_loadd(1, &ws.ot[16 * b][16], TR * 4);
-      _tile_loadd(2, &ws.ot[16 * b][32], TR * 4);
-      _tile_loadd(4, &ws.pp[0][0], TR * 4);
-      _tile_loadd(5, &ws.pp[0][16], TR * 4);
-      _tile_loadd(6, &ws.pp[0][32], TR * 4);
-      _tile_dpbf16ps(0, 3, 4);
-      _tile_dpbf16ps(1, 3, 5);
-      _tile_dpbf16ps(2, 3, 6);
-      _tile_stored(0, &ws.ot[16 * b][0], TR * 4);
-      _tile_stored(1, &ws.ot[16 * b][16], TR * 4);
-      _tile_stored(2, &ws.ot[16 * b][32], TR * 4);
-    }
-  }
-  // out[row] = ot[.][row] / l[row]: 16 x 16 blocks transposed back to rows
-  for (int r = 0; r < RV && 16 * r < rows; ++r) {
-    alignas(64) float inv[16];
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[r]));
-    for (int b = 0; b < D / 16; ++b) {
-      __m512i x[16];
-      for (int i = 0; i < 16; ++i) x[i] = _mm512_load_si512(&ws.ot[16 * b + i][16 * r]);
-      tokenmill::transpose16x16(x);  // x[t]: row 16r + t's 16 d
-      for (int t = 0; t < 16 && 16 * r + t < rows; ++t) {
-        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(x[t]), _mm512_set1_ps(inv[t]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr.out + out_off[16 * r + t] + 16 * b),
-                            (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
-  }
-}
+  if constexpr (kAmx) store_rows_amx(pr, ws, rows, out_off);
 #endif
+  if constexpr (!kAmx)
+    for (int t = 0; t < rows; ++t) {
+      uint16_t* dst = pr.out + out_off[t];
+      const __m512 inv = _mm512_set1_ps(1.f / ws.l[t]);
+      for (int v = 0; v < D / 16; ++v)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * v),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&ws.o[t][16 * v]), inv)));
+    }
+}
 
 // Work items: the sequences most expensive first, then by kv head (its K/V stay in cache across
 // the head's tiles), the longest tiles first; taken from a shared counter, this balances threads.
@@ -405,12 +412,12 @@ void prefill(const Problem& pr, int64_t num_seqs, bool amx) {
       tokenmill::AmxTileConfig cfg;
       for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
       _tile_loadconfig(&cfg);
-      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) run_tile_amx<D>(pr, items[i], *ws, zero_row);
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) run_tile<D, true>(pr, items[i], *ws, zero_row);
       _tile_release();
       return;
     }
 #endif
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) run_tile<D>(pr, items[i], *ws, zero_row);
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) run_tile<D, false>(pr, items[i], *ws, zero_row);
   });
 }
 
