@@ -186,3 +186,37 @@ def test_the_int8_lm_head_takes_a_long_batch_in_slices(model_dirs: dict[str, str
     expected = ref.linear_ref(x, w, None)
     bound = 2**-6 * float((x.float().abs() @ w.float().abs().T).max())
     assert got.shape == expected.shape and float((got.float() - expected.float()).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_rounding_methods_quantize_each_layer_as_soon_as_it_is_loaded(model_dirs: dict[str, str], scheme: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--quantization int8|int4` rounds a layer's float weight when its last tensor is in, so a load never holds
+    the whole float checkpoint beside its integers (`QuantizedLinearMethod.repacks`, the loader's staging)."""
+    from tokenmill.models import loader
+
+    model_dir = model_dirs["llama-gqa4-untied"]
+    read: list[str] = []
+    real_iterate = loader.iterate_checkpoint
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        for name, t in real_iterate(*args, **kwargs):
+            read.append(name)
+            yield name, t
+
+    at_process: list[int] = []
+    real_process = QuantizedLinearMethod.process_weights_after_loading
+
+    def recording(self: QuantizedLinearMethod, layer: Any) -> None:
+        at_process.append(len(read))
+        real_process(self, layer)
+
+    monkeypatch.setattr(loader, "iterate_checkpoint", counting)
+    monkeypatch.setattr(QuantizedLinearMethod, "process_weights_after_loading", recording)
+    cfg = resolve_quantization(model_dir, scheme)
+    assert cfg is not None
+    model = load_model(model_dir, load_arch_config(model_dir), torch.float32, torch.device("cpu"),
+                       QuantizedLinearMethod(cfg, None))
+    assert at_process and min(at_process) < len(read)  # the first layer before the checkpoint was read through
+    rounded = [m for m in model.modules() if isinstance(m.__dict__.get("method"), QuantizedLinearMethod)]
+    assert rounded and all(m.__dict__["processed"] and not hasattr(m, "weight") for m in rounded)

@@ -187,7 +187,7 @@ class LinearBase(nn.Module):
         loaded = self.weight if staged is not None else None
         self.method.process_weights_after_loading(self)
         self.processed = True
-        if staged is not None and self.staging is not None and self.weight is not loaded:
+        if staged is not None and self.staging is not None and getattr(self, "weight", None) is not loaded:
             self.staging.give(staged)
 
     def _takes_as_is(self, loaded: torch.Tensor, shard_id: ShardId) -> bool:
@@ -198,7 +198,10 @@ class LinearBase(nn.Module):
                 and loaded.device == self.weight.device and self.missing_weights() == ["weight"])
 
     def missing_weights(self) -> list[str]:
-        """This layer's parameters (and shards of them) that nothing loaded."""
+        """This layer's parameters (and shards of them) that nothing loaded (none once processed: its method may
+        have replaced them by others)."""
+        if self.processed:
+            return []
         return [n if s is None else f"{n}[{s}]" for n, _ in self.named_parameters(recurse=False)
                 for s in self.shard_ids if (n, s) not in self._loaded]
 

@@ -115,7 +115,9 @@ class QuantizedLinearMethod:
         formats.create_checkpoint_params(self.cfg, layer, dtype)
 
     def repacks(self, layer: LinearBase) -> bool:
-        return False  # (its loaded parameters are read by formats.to_int_weights, after the whole checkpoint)
+        # the rounding methods read the loaded float weight once and keep only the integers they make of it; a
+        # checkpoint format's tensors are read as they are
+        return self.cfg.format == "rtn"
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         w = formats.to_int_weights(self.cfg, layer)
