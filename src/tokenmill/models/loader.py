@@ -8,9 +8,8 @@ each tensor is a view of its memory-mapped file, copied into its parameter strai
 peak RSS stays near the size of the weights plus the largest tensor. Then every linear layer's method
 post-processes its weights (e.g. packs them for oneDNN, or rearranges bf16 ones into panels in place).
 A layer whose method repacks its weight (oneDNN's packing, or rounding it to integers) is processed as soon as the
-layer is loaded: a
-whole weight is packed from the checkpoint's mapped tensor itself, a fused one (q/k/v, gate/up) from a
-`WeightStaging` buffer its shards are copied into and which the next layer of that shape reuses, so the
+layer is loaded: a whole weight is packed from the checkpoint's mapped tensor itself, a fused one (q/k/v, gate/up)
+from a `WeightStaging` buffer its shards are copied into and which the next layer of that shape reuses, so the
 unpacked weights are never all in memory and no memory is faulted in for them.
 
 A tensor-parallel rank keeps each file's views valid while it reads the file (`keep_views=True`): the layers'
