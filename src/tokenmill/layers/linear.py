@@ -75,8 +75,8 @@ class WeightStaging:
     def __init__(self) -> None:
         self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
 
-    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
-        free = self._free.get((tuple(shape), dtype, device or torch.device("cpu")))
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((tuple(shape), dtype, device))
         return free.pop() if free else torch.empty(tuple(shape), dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -154,15 +154,14 @@ class LinearBase(nn.Module):
         the layer is processed once its last tensor is in (mark_loaded)."""
         if (cut := self.slices.get(shard_id)) is not None:
             loaded = cut.take(loaded)
-        as_is = False
         if self.staging is not None and self.method.repacks(self) and param is self.weight:
             if self._takes_as_is(loaded, shard_id):
-                param.data, as_is = loaded, True  # the checkpoint's pages: repacked below, before the next tensor
-            elif self._staged is None:
+                param.data = loaded  # the checkpoint's pages, repacked by mark_loaded before the next tensor
+                self.mark_loaded("weight")
+                return
+            if self._staged is None:
                 self._staged = param.data = self.staging.take(param.shape, param.dtype, param.device)
-        if as_is:
-            pass
-        elif len(self.shard_ids) == 1 and shard_id is None:
+        if len(self.shard_ids) == 1 and shard_id is None:
             default_weight_loader(param, loaded)
         else:
             start, end = self.shard_range(shard_id, param.shape[0])
@@ -180,15 +179,15 @@ class LinearBase(nn.Module):
             self.process()
 
     def process(self) -> None:
-        """Have the method process the loaded layer (once); a staging buffer the weight was assembled in goes back."""
+        """Have the method process the loaded layer (once). A staging buffer the weight was assembled in goes back:
+        a method that repacks keeps nothing of it."""
         if self.processed:
             return
-        staged, self._staged = self._staged, None
-        loaded = self.weight if staged is not None else None
         self.method.process_weights_after_loading(self)
         self.processed = True
-        if staged is not None and self.staging is not None and getattr(self, "weight", None) is not loaded:
-            self.staging.give(staged)
+        if self._staged is not None and self.staging is not None:
+            self.staging.give(self._staged)
+        self._staged = None
 
     def _takes_as_is(self, loaded: torch.Tensor, shard_id: ShardId) -> bool:
         """Whether the weight may be the checkpoint's tensor itself until it is repacked: the whole weight, in its

@@ -216,7 +216,7 @@ inline void pv_rows(Workspace<D>& ws, int nk, int r0) {
 }
 
 // Sets the tile's row positions and packs its Q rows (rows past the end repeat the last one, and
-// are never stored); returns the number of real rows.
+// are never stored); returns the number of real rows. (run_tile clears the output it accumulates.)
 template <int D>
 int setup_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_t** qrow, int64_t* out_off) {
   const int64_t group = pr.hq / pr.hk, n = pr.qsl[it.seq + 1] - pr.qsl[it.seq], ctx = pr.lens[it.seq];
@@ -237,7 +237,6 @@ int setup_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16
       tokenmill::transpose16x16(x);
       for (int t = 0; t < 16; ++t) _mm512_store_si512(&ws.qp[16 * c + t][16 * r], x[t]);
     }
-  std::memset(ws.o, 0, sizeof(ws.o));
   return rows;
 }
 
@@ -311,12 +310,14 @@ void pv_amx(Workspace<D>& ws, int nk) {
 template <int D>
 void store_rows_amx(const Problem& pr, Workspace<D>& ws, int rows, const int64_t* out_off) {
   for (int r = 0; r < RV && 16 * r < rows; ++r) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(&ws.l[16 * r])));
     for (int b = 0; b < D / 16; ++b) {
       __m512i x[16];
       for (int i = 0; i < 16; ++i) x[i] = _mm512_load_si512(&ws.ot[16 * b + i][16 * r]);
       tokenmill::transpose16x16(x);  // x[t]: row 16r + t's 16 d
       for (int t = 0; t < 16 && 16 * r + t < rows; ++t) {
-        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(x[t]), _mm512_set1_ps(1.f / ws.l[16 * r + t]));
+        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(x[t]), _mm512_set1_ps(inv[t]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr.out + out_off[16 * r + t] + 16 * b),
                             (__m256i)_mm512_cvtneps_pbh(v));
       }
@@ -335,9 +336,13 @@ void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_
   const uint16_t* qrow[TR];
   int64_t out_off[TR];
   const int rows = setup_tile(pr, it, ws, qrow, out_off);
+  if constexpr (kAmx) {
 #ifdef TOKENMILL_PREFILL_AMX
-  if constexpr (kAmx) std::memset(ws.ot, 0, sizeof(ws.ot));
+    std::memset(ws.ot, 0, sizeof(ws.ot));
 #endif
+  } else {
+    std::memset(ws.o, 0, sizeof(ws.o));
+  }
   const int64_t min_q = ws.qpos[0], max_q = ws.qpos[rows - 1];
   const int64_t kstart = pr.window > 0 ? std::max<int64_t>(0, min_q - pr.window + 1) : 0;
   const int32_t* table = pr.tables + it.seq * pr.max_blocks;
@@ -353,26 +358,30 @@ void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_
     }
     // keys past the tile's last row are skipped in whole groups of KG
     const int nk = static_cast<int>(std::min<int64_t>(KC, (max_q - c0) / KG * KG + KG));
+    if constexpr (kAmx) {
 #ifdef TOKENMILL_PREFILL_AMX
-    if constexpr (kAmx) scores_amx(ws, nk, pr.c);
+      scores_amx(ws, nk, pr.c);
 #endif
-    if constexpr (!kAmx)
+    } else {
       for (int j = 0; j < nk; j += KG) scores(ws, ws.kptr + j, ws.s + j, pr.c);
+    }
     if (c0 + nk - 1 > min_q || (pr.window > 0 && c0 <= max_q - pr.window)) mask_chunk(ws, c0, nk);
     softmax_chunk(ws, nk, m, l);
+    if constexpr (kAmx) {
 #ifdef TOKENMILL_PREFILL_AMX
-    if constexpr (kAmx) pv_amx(ws, nk);
+      pv_amx(ws, nk);
 #endif
-    if constexpr (!kAmx) {
+    } else {
       pack_v(ws, nk);
       for (int r0 = 0; r0 < rows; r0 += RB) pv_rows<D, RB>(ws, nk, r0);
     }
   }
   for (int r = 0; r < RV; ++r) _mm512_store_ps(&ws.l[16 * r], l[r]);
+  if constexpr (kAmx) {
 #ifdef TOKENMILL_PREFILL_AMX
-  if constexpr (kAmx) store_rows_amx(pr, ws, rows, out_off);
+    store_rows_amx(pr, ws, rows, out_off);
 #endif
-  if constexpr (!kAmx)
+  } else {
     for (int t = 0; t < rows; ++t) {
       uint16_t* dst = pr.out + out_off[t];
       const __m512 inv = _mm512_set1_ps(1.f / ws.l[t]);
@@ -380,6 +389,7 @@ void run_tile(const Problem& pr, const Item& it, Workspace<D>& ws, const uint16_
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * v),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&ws.o[t][16 * v]), inv)));
     }
+  }
 }
 
 // Work items: the sequences most expensive first, then by kv head (its K/V stay in cache across
