@@ -220,3 +220,26 @@ def test_the_rounding_methods_quantize_each_layer_as_soon_as_it_is_loaded(model_
     assert at_process and min(at_process) < len(read)  # the first layer before the checkpoint was read through
     rounded = [m for m in model.modules() if isinstance(m.__dict__.get("method"), QuantizedLinearMethod)]
     assert rounded and all(m.__dict__["processed"] and not hasattr(m, "weight") for m in rounded)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+def test_rounding_in_the_kernels_op_holds_the_references_integers(model_dirs: dict[str, str], scheme: str) -> None:
+    """A rounding load through the C++ op (rtn_int8 / rtn_int4: one pass a row) leaves every layer the same
+    tensors as the torch reference's rounding does."""
+    ops = load_cpu_kernels()
+    if ops is None:
+        pytest.skip("tokenmill's CPU kernels are not built here")
+    model_dir = model_dirs["llama-gqa4-untied"]
+    cfg = resolve_quantization(model_dir, scheme)
+    assert cfg is not None
+    arch = load_arch_config(model_dir)
+    models = [load_model(model_dir, arch, torch.bfloat16, torch.device("cpu"), QuantizedLinearMethod(cfg, k))
+              for k in (ops, None)]
+    layers = [{n: m for n, m in model.named_modules() if isinstance(m.__dict__.get("method"), QuantizedLinearMethod)}
+              for model in models]
+    assert layers[0] and layers[0].keys() == layers[1].keys()
+    for name, layer in layers[0].items():
+        other = layers[1][name]
+        for param in ("qweight", "scales", "zeros", "weight_sum"):
+            if hasattr(other, param):
+                assert torch.equal(getattr(layer, param), getattr(other, param)), f"{name}.{param}"

@@ -103,6 +103,7 @@ class QuantizedLinearMethod:
 
     def __init__(self, cfg: QuantConfig, ops: Any = None, lm_head_ops: Any = None, split_rows: bool = False) -> None:
         self.cfg = cfg
+        self.ops = ops  # (its rounding ops are portable C++: they serve where the linear kernels do not run)
         self.kernels = quantized_kernels(ops, cfg.scheme)
         # split_rows: batches over AMX_MAX_ROWS bf16 rows go through the AMX op AMX_MAX_ROWS rows at a time, not
         # through a whole dequantized weight (the int8 lm_head's: the largest weight, rarely over that many rows)
@@ -120,16 +121,16 @@ class QuantizedLinearMethod:
         return self.cfg.format == "rtn"
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        w = formats.to_int_weights(self.cfg, layer)
+        w = formats.to_int_weights(self.cfg, layer, self.ops)
         for name in formats.checkpoint_param_names(layer):
             delattr(layer, name)
         group = 0
         if self.cfg.scheme == "int4":
             if w.zero is None:
                 raise ValueError("int4 weights without zero points")
-            if int(w.q.max()) > 15:
+            if not w.packed and int(w.q.max()) > 15:
                 raise ValueError("int4 weights hold values over 15 (is the checkpoint 4-bit?)")
-            _set(layer, "qweight", ref.pack_int4(w.q))
+            _set(layer, "qweight", w.q if w.packed else ref.pack_int4(w.q))
             symmetric = bool((w.zero == 8).all())  # then the kernels read no zero points
             _set(layer, "zeros", w.zero.new_empty(0).float() if symmetric else w.zero.float())
             group = formats.group_of(self.cfg, layer.input_size)
@@ -144,7 +145,7 @@ class QuantizedLinearMethod:
                 layer.__dict__["onednn_zero"] = torch.zeros(w.q.shape[0], dtype=torch.int64)
         else:
             _set(layer, "qweight", w.q)
-            _set(layer, "weight_sum", ref.weight_sum(w.q))
+            _set(layer, "weight_sum", w.wsum if w.wsum is not None else ref.weight_sum(w.q))
         _set(layer, "scales", w.scale.float())
         perm = w.perm.to(w.scale.device) if w.perm is not None else None
         layer.__dict__["quant_layout"] = QuantLayout(self.cfg.scheme, group, perm)

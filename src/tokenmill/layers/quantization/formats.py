@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill.layers.linear import LinearBase, ShardId, set_weight_loader
 from tokenmill.layers.quantization import reference as ref
-from tokenmill.quantization_config import QuantConfig
+from tokenmill.quantization_config import INT4_K_ALIGN, QuantConfig
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 Loader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -36,10 +37,12 @@ Loader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 @dataclass
 class IntWeights:
-    q: torch.Tensor
+    q: torch.Tensor  # int8 [N, K], or int4 values uint8 [N, K] (already in pack_int4's layout where `packed`)
     scale: torch.Tensor
     zero: torch.Tensor | None = None
     perm: torch.Tensor | None = None
+    packed: bool = False
+    wsum: torch.Tensor | None = None  # int8's row sums (reference.weight_sum), where made with q
 
 
 def group_of(cfg: QuantConfig, in_features: int) -> int:
@@ -139,14 +142,22 @@ def _t(layer: LinearBase, name: str) -> torch.Tensor:
     return t.data
 
 
-def to_int_weights(cfg: QuantConfig, layer: LinearBase) -> IntWeights:
-    """The layer's checkpoint parameters as IntWeights (the parameters are left in place)."""
+def to_int_weights(cfg: QuantConfig, layer: LinearBase, ops: Any = None) -> IntWeights:
+    """The layer's checkpoint parameters as IntWeights (the parameters are left in place). ops: tokenmill's C++
+    CPU kernels, whose rtn_int8 / rtn_int4 round a CPU weight to the reference's integers in one pass."""
     n, k = layer.output_size, layer.input_size
     if cfg.format == "rtn":
+        weight = _t(layer, "weight")
+        in_op = ops is not None and weight.device.type == "cpu"
         if cfg.scheme == "int4":
-            q, scale, zero = ref.rtn_int4(_t(layer, "weight"), group_of(cfg, k), cfg.zero_point)
-            return IntWeights(q, scale, zero)
-        return IntWeights(*ref.rtn_int8(_t(layer, "weight")))
+            group = group_of(cfg, k)
+            if in_op and (group % INT4_K_ALIGN == 0 or group >= k):
+                return IntWeights(*ops.rtn_int4(weight, group, cfg.zero_point), packed=True)
+            return IntWeights(*ref.rtn_int4(weight, group, cfg.zero_point))
+        if in_op:
+            q, scale, wsum = ops.rtn_int8(weight)
+            return IntWeights(q, scale, wsum=wsum)
+        return IntWeights(*ref.rtn_int8(weight))
     if cfg.format == "compressed-tensors" and cfg.scheme != "int4":
         return IntWeights(_t(layer, "weight"), _t(layer, "weight_scale")[:, 0].contiguous())
     if cfg.format == "compressed-tensors":

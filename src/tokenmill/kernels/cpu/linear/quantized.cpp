@@ -905,11 +905,110 @@ at::Tensor dequantize_bf16(const at::Tensor& weight, const at::Tensor& scale, co
   return out;
 }
 
+// Round-to-nearest of a float weight [N, K] (bf16, fp16 or fp32) into the layouts above, in one pass a row: the
+// values of layers/quantization/reference.py's rtn_int8 (then weight_sum) and rtn_int4 (then pack_int4), op for op
+// in fp32 (w / scale, then + zero, rounded half to even), so that a load that rounds here holds the same integers.
+template <typename T>
+float as_float(T v) { return static_cast<float>(v); }
+
+// int8 per output row: (q int8 [N, K], scale fp32 [N], wsum int32 [N]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rtn_int8(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && at::isFloatingType(weight.scalar_type()), "rtn_int8: weight must be a float [N, K]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor q = at::empty({N, K}, w.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({N}, w.options().dtype(at::kFloat));
+  at::Tensor wsum = at::empty({N}, w.options().dtype(at::kInt));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "rtn_int8", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* sp = scale.data_ptr<float>();
+    int32_t* ws = wsum.data_ptr<int32_t>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      std::vector<float> row(K);
+      for (int64_t n = n0; n < n1; ++n) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+          row[k] = as_float(wp[n * K + k]);
+          amax = std::max(amax, std::fabs(row[k]));
+        }
+        const float sc = std::max(amax, 1e-10f) / 127.0f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const float v = std::min(std::max(std::nearbyint(row[k] / sc), -127.0f), 127.0f);
+          qp[n * K + k] = static_cast<int8_t>(v);
+          sum += static_cast<int32_t>(v);
+        }
+        sp[n] = sc;
+        ws[n] = sum;
+      }
+    });
+  });
+  return {q, scale, wsum};
+}
+
+// int4 by groups of `group` input columns (the last group may be short): (packed uint8 [N, Kp / 2], scale fp32 [N, G],
+// zero fp32 [N, G]); symmetric (zero_point false): zero 8, scale amax / 7.5; asymmetric: min..max (each clamped to
+// take in 0) onto 0..15.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rtn_int4(const at::Tensor& weight, int64_t group, bool zero_point) {
+  TORCH_CHECK(weight.dim() == 2 && at::isFloatingType(weight.scalar_type()), "rtn_int4: weight must be a float [N, K]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(group > 0 && (group % 32 == 0 || group >= K), "rtn_int4: group must be a multiple of 32 or cover K");
+  const int64_t G = (K + group - 1) / group, Kp = round_up(K, 32);
+  at::Tensor packed = at::zeros({N, Kp / 2}, w.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({N, G}, w.options().dtype(at::kFloat));
+  at::Tensor zero = at::empty({N, G}, w.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "rtn_int4", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    uint8_t* pp = packed.data_ptr<uint8_t>();
+    float* sp = scale.data_ptr<float>();
+    float* zp = zero.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      std::vector<uint8_t> q(Kp);
+      for (int64_t n = n0; n < n1; ++n) {
+        const scalar_t* wr = wp + n * K;
+        std::fill(q.begin() + K, q.end(), uint8_t{0});
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+          float sc, z;
+          if (zero_point) {
+            float lo = 0.0f, hi = 0.0f;  // (a short group's padding is 0, inside the clamps)
+            for (int64_t k = k0; k < k1; ++k) {
+              lo = std::min(lo, as_float(wr[k]));
+              hi = std::max(hi, as_float(wr[k]));
+            }
+            sc = std::max((hi - lo) / 15.0f, 1e-10f);
+            z = std::min(std::max(std::nearbyint(-lo / sc), 0.0f), 15.0f);
+          } else {
+            float amax = 0.0f;
+            for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(as_float(wr[k])));
+            sc = std::max(amax, 1e-10f) / 7.5f;
+            z = 8.0f;
+          }
+          for (int64_t k = k0; k < k1; ++k) {
+            const float t = as_float(wr[k]) / sc + z;
+            q[k] = static_cast<uint8_t>(std::min(std::max(std::nearbyint(t), 0.0f), 15.0f));
+          }
+          sp[n * G + g] = sc;
+          zp[n * G + g] = z;
+        }
+        uint8_t* out = pp + n * (Kp / 2);
+        for (int64_t k0 = 0; k0 < Kp; k0 += 32)
+          for (int j = 0; j < 16; ++j) out[k0 / 2 + j] = static_cast<uint8_t>(q[k0 + j] | (q[k0 + 16 + j] << 4));
+      }
+    });
+  });
+  return {packed, scale, zero};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("has_quantized_linear() -> bool", &has_quantized_linear);
   m.def("dequantize_bf16(Tensor weight, Tensor scale, Tensor zero, int in_features, int group) -> Tensor");
+  m.def("rtn_int8(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("rtn_int4(Tensor weight, int group, bool zero_point) -> (Tensor, Tensor, Tensor)");
   m.def("has_weight_only_linear() -> bool", &has_weight_only_linear);
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, Tensor zero, int in_features, int group, "
@@ -921,6 +1020,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("dequantize_bf16", &dequantize_bf16);
+  m.impl("rtn_int8", &rtn_int8);
+  m.impl("rtn_int4", &rtn_int4);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("w8a8_linear", &w8a8_linear);
