@@ -137,7 +137,8 @@ class SpeculativeConfig:
     quantization: str | None = None
     # adaptive: proposing stops for the step when the batch has more running requests than this ...
     max_batch_size: int = 32
-    # ... and a request's k shrinks to what its acceptance (an EWMA of accepted / proposed) pays for
+    # ... and a request's k shrinks to what its acceptance (decayed accepted / checked drafts) pays for, at the
+    # batch size and the proposer's measured cost
     adaptive: bool = True
 
     @classmethod

@@ -107,6 +107,51 @@ def test_the_adaptive_rule_shrinks_k_with_batch_and_acceptance() -> None:
     assert adaptive_k(1.0, 4, 33, 32) == 0  # past max_batch_size: nothing
 
 
+@pytest.mark.parametrize("taken_drafts", [2, 6])
+def test_a_requests_acceptance_estimate_counts_the_drafts_the_target_checked(taken_drafts: int) -> None:
+    """Steps of six drafts of which the first `taken_drafts` are accepted: the target checked those and the
+    one after (all six when every one is taken), so the estimate tends to taken / (taken + 1), or to 1, not
+    to taken / 6; at batch 1 that keeps all six drafts ((2/3) ** 6 >= 1/64), where taken / 6 would not."""
+
+    class Six(Always):
+        def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+            return {"a": [1, 2, 3, 4, 5, 6][:(batch.max_drafts or [6])[0]]}
+
+    decoder = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=6), Six())
+    sizes, taken = [], 1
+    for _ in range(40):
+        drafts = decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [taken], step_s=None)).get("a", [])
+        sizes.append(len(drafts))
+        taken = min(taken_drafts, len(drafts)) + 1
+    expected = 1.0 if taken_drafts == 6 else taken_drafts / (taken_drafts + 1)
+    assert decoder.acceptance["a"].rate == pytest.approx(expected, abs=1e-3)
+    assert sizes[-10:] == [6] * 10
+    assert taken_drafts == 6 or adaptive_k(taken_drafts / 6, 6, 1, 32) < 6  # what accepted / proposed would give
+
+
+def test_a_proposer_that_costs_a_quarter_step_a_position_gets_fewer_drafts() -> None:
+    """Proposing takes 0.25 s per draft position, steps 1 s: the rule measures c = 0.25 and gives a request
+    accepting 3 in a row (estimate 0.75) the largest k' with 0.75 ** k' >= 1/64 + 0.25: 4, not 6."""
+    now = [0.0]
+
+    class Costly(Always):
+        def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+            assert batch.max_drafts is not None
+            now[0] += 0.25 * max(batch.max_drafts)
+            return {rid: [1, 2, 3, 4, 5, 6][:k] for rid, k in zip(batch.req_ids, batch.max_drafts, strict=True) if k}
+
+    decoder = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=6), Costly(), clock=lambda: now[0])
+    assert decoder.gate is not None
+    decoder.gate.pays = lambda batch: True  # type: ignore[method-assign]
+    sizes, taken = [], 1
+    for _ in range(30):
+        drafts = decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [taken], step_s=1.0)).get("a", [])
+        sizes.append(len(drafts))
+        taken = min(3, len(drafts)) + 1
+    assert decoder.draft_cost == pytest.approx(0.25)
+    assert sizes[-5:] == [4] * 5
+
+
 class Always:
     """Two drafts for every request."""
 

@@ -4,11 +4,17 @@ Speculation pays where a step is bound by reading the weights (small batches) an
 bound by compute (large ones): every draft is a row the target computes. Per step:
 
 - with more than `max_batch_size` requests taking tokens, nothing is proposed;
-- else each request keeps an acceptance estimate `a` (an EWMA, weight 0.3, of accepted / proposed
-  over its verified steps, starting at 0.5), and gets the largest k' <= k for which the chance that its
-  k'-th draft is accepted, a ** k', is at least the step's threshold B / (2 * max_batch_size)
-  (B: the requests taking tokens). A request whose estimate gives k' = 0 still gets one draft every
-  `PROBE_EVERY` steps, so the estimate can recover.
+- else each request keeps an estimate `a` of the chance that a draft is accepted once the drafts before
+  it were: accepted drafts over drafts the target checked (those accepted, and the one it rejected, if
+  any), both counts decayed by 0.7 a verified step, starting at 0.5 / 1. It gets the largest k' <= k
+  for which the chance that its k'-th draft is accepted, a ** k', is at least the step's threshold
+  B / (2 * max_batch_size) + c (B: the requests taking tokens). A draft is worth a ** k' of a token,
+  a token a B-th of a step; it costs a verification row (the first term) and a draft position's share
+  of proposing: c, the proposer's seconds per draft position over the seconds of the step that verified
+  them (an EWMA, weight 0.2, over drafted steps; ~0 for prompt lookup, a tenth of a step for a small
+  draft model). A request whose estimate gives k' = 0 still gets one draft every `PROBE_EVERY` steps, so
+  the estimate can recover. (Accepted over proposed would not do for `a`: the drafts after a rejection
+  are never checked, so that fraction reads 0.66 for a draft accepted 87% of the time at k = 6.)
 
 On top of that, a measured gate (`CostGate`) per batch size (its power of two): the tokens a second
 of steps that verified drafts (the step's time, plus the proposing that drafted them) against steps that
@@ -41,15 +47,29 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import lookup
 from tokenmill.spec_decode.proposer import ProposalInput, Proposer
 
-EWMA_WEIGHT = 0.3
+EWMA_WEIGHT = 0.3  # each verified step's weight in a request's acceptance counts
 PRIOR = 0.5
 PROBE_EVERY = 8
+DRAFT_COST_WEIGHT = 0.2  # each drafted step's weight in the proposer's measured cost
 
 
 @dataclass
 class _Acceptance:
-    rate: float = PRIOR
+    accepted: float = PRIOR  # decayed count of the request's drafts the target accepted
+    checked: float = 1.0  # decayed count of its drafts the target checked (accepted, or the one rejected)
     idle: int = 0  # steps since the request last got a draft
+
+    @property
+    def rate(self) -> float:
+        """The chance that a draft is accepted once the drafts before it were."""
+        return self.accepted / self.checked
+
+    def verified(self, accepted: int, proposed: int) -> None:
+        """A step's verification: `accepted` of the `proposed` drafts, in order (one more was checked and
+        rejected, unless all were taken)."""
+        keep = 1.0 - EWMA_WEIGHT
+        self.accepted = keep * self.accepted + accepted
+        self.checked = keep * self.checked + accepted + (accepted < proposed)
 
 
 GATE_WINDOW = 9  # the steps of each mode whose rate a bucket compares
@@ -110,11 +130,12 @@ class CostGate:
         return better != (bucket.decisions % GATE_PROBE_EVERY == 0)  # a probe of the other mode
 
 
-def adaptive_k(rate: float, k: int, batch: int, max_batch_size: int) -> int:
-    """The drafts a request with this acceptance estimate gets in a step of `batch` requests."""
+def adaptive_k(rate: float, k: int, batch: int, max_batch_size: int, draft_cost: float = 0.0) -> int:
+    """The drafts a request with this acceptance estimate gets in a step of `batch` requests, where proposing
+    costs `draft_cost` of a step per draft position."""
     if batch > max_batch_size:
         return 0
-    threshold = batch / (2 * max_batch_size)
+    threshold = batch / (2 * max_batch_size) + draft_cost
     n = 0
     while n < k and rate ** (n + 1) >= threshold:
         n += 1
@@ -130,6 +151,8 @@ class SpecDecoder:
         self.spec, self.proposer, self.clock = spec, proposer, clock
         self.gate = CostGate() if spec is not None and spec.adaptive else None
         self.propose_s = 0.0  # how long the last propose() took
+        self.positions = 0  # the draft positions the last propose() asked its proposer for (0: not called)
+        self.draft_cost: float | None = None  # c above (None: not measured yet)
         self.k = spec.num_speculative_tokens if spec is not None else 0
         self.needs_hidden_states = bool(getattr(proposer, "needs_hidden_states", False))
         self.acceptance: dict[str, _Acceptance] = {}
@@ -174,6 +197,11 @@ class SpecDecoder:
         if self.gate is not None and batch.step_s is not None:
             verified = any(self.proposed.get(rid) for rid in batch.req_ids)
             self.gate.observe(len(batch.req_ids), sum(batch.num_new_tokens), batch.step_s + self.propose_s, verified)
+        if self.positions and batch.step_s:
+            cost = self.propose_s / self.positions / batch.step_s
+            self.draft_cost = cost if self.draft_cost is None else self.draft_cost + DRAFT_COST_WEIGHT * (
+                cost - self.draft_cost)
+        self.positions = 0
         for i, rid in enumerate(batch.req_ids):
             self._observe(rid, batch.num_new_tokens[i])
             params = batch.sampling_params[i] if batch.sampling_params is not None else None
@@ -195,7 +223,7 @@ class SpecDecoder:
             acc = self.acceptance.setdefault(rid, _Acceptance())
             k = self.k
             if self.spec.adaptive:
-                k = adaptive_k(acc.rate, self.k, len(batch.req_ids), self.spec.max_batch_size)
+                k = adaptive_k(acc.rate, self.k, len(batch.req_ids), self.spec.max_batch_size, self.draft_cost or 0.0)
                 if k == 0 and acc.idle >= PROBE_EVERY and len(batch.req_ids) <= self.spec.max_batch_size:
                     k = 1
             batch.max_drafts[i] = k
@@ -203,6 +231,7 @@ class SpecDecoder:
         if not any(batch.max_drafts):
             return out
         place = {rid: i for i, rid in enumerate(batch.req_ids)}
+        self.positions = max(batch.max_drafts)
         for rid, drafts in self.proposer.propose(batch).items():
             i = place[rid]
             if rid not in out and drafts and batch.max_drafts[i] > 0:
@@ -214,4 +243,4 @@ class SpecDecoder:
         """The step's verification of the drafts rid got last step: taken - 1 of them accepted."""
         n = self.proposed.pop(rid, 0)
         if n and (acc := self.acceptance.get(rid)) is not None:
-            acc.rate += EWMA_WEIGHT * (min(taken - 1, n) / n - acc.rate)
+            acc.verified(min(taken - 1, n), n)
