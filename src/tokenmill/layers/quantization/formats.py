@@ -152,7 +152,8 @@ def to_int_weights(cfg: QuantConfig, layer: LinearBase, ops: Any = None) -> IntW
         if cfg.scheme == "int4":
             group = group_of(cfg, k)
             if in_op and (group % INT4_K_ALIGN == 0 or group >= k):
-                return IntWeights(*ops.rtn_int4(weight, group, cfg.zero_point), packed=True)
+                packed, scale, zero = ops.rtn_int4(weight, group, cfg.zero_point)
+                return IntWeights(packed, scale, zero, packed=True)
             return IntWeights(*ref.rtn_int4(weight, group, cfg.zero_point))
         if in_op:
             q, scale, wsum = ops.rtn_int8(weight)
