@@ -11,8 +11,8 @@ bound by compute (large ones): every draft is a row the target computes. Per ste
   B / (2 * max_batch_size) + c (B: the requests taking tokens). A draft is worth a ** k' of a token,
   a token a B-th of a step; it costs a verification row (the first term) and a draft position's share
   of proposing: c, the proposer's seconds per draft position over the seconds of the step that verified
-  them (an EWMA, weight 0.2, over drafted steps; ~0 for prompt lookup, a tenth of a step for a small
-  draft model). A request whose estimate gives k' = 0 still gets one draft every `PROBE_EVERY` steps, so
+  them (an EWMA, weight 0.2, over drafted steps: near 0 for prompt lookup, more for a proposer that runs
+  a model of its own). A request whose estimate gives k' = 0 still gets one draft every `PROBE_EVERY` steps, so
   the estimate can recover. (Accepted over proposed would not do for `a`: the drafts after a rejection
   are never checked, so that fraction reads 0.66 for a draft accepted 87% of the time at k = 6.)
 

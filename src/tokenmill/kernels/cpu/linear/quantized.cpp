@@ -956,7 +956,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rtn_int4(const at::Tensor& weight
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(group > 0 && (group % 32 == 0 || group >= K), "rtn_int4: group must be a multiple of 32 or cover K");
   const int64_t G = (K + group - 1) / group, Kp = round_up(K, 32);
-  at::Tensor packed = at::zeros({N, Kp / 2}, w.options().dtype(at::kByte));
+  at::Tensor packed = at::empty({N, Kp / 2}, w.options().dtype(at::kByte));  // (every byte written below)
   at::Tensor scale = at::empty({N, G}, w.options().dtype(at::kFloat));
   at::Tensor zero = at::empty({N, G}, w.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "rtn_int4", [&] {
