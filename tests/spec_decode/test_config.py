@@ -142,7 +142,7 @@ def test_a_proposer_that_costs_a_quarter_step_a_position_gets_fewer_drafts() -> 
 
     decoder = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=6), Costly(), clock=lambda: now[0])
     assert decoder.gate is not None
-    decoder.gate.pays = lambda batch: True  # type: ignore[method-assign]
+    decoder.gate.pays = lambda batch, resumed=False: True  # type: ignore[method-assign]
     sizes, taken = [], 1
     for _ in range(30):
         drafts = decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [taken], step_s=1.0)).get("a", [])
@@ -179,6 +179,24 @@ def test_the_cost_gate_proposes_where_drafted_steps_take_more_tokens_a_second(sp
     # a batch of 2 is its own bucket: it starts by proposing; a step without a time is not measured
     assert decoder.propose(ProposalInput(["a", "b"], [[1], [2]], [1, 1], step_s=None))
     assert decoder.gate is not None and decoder.gate.buckets[2].plain.steps == 0
+
+
+def test_the_cost_gate_probes_after_steps_that_were_not_asked_to_propose() -> None:
+    """Plain pays at batch 1, so the gate refuses and its proposer reports how many steps the engine may overlap,
+    twice as many at each refusal since it last chose to draft; the first decision after overlapped steps
+    (resumed) drafts."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    decoder = SpecDecoder(cfg, Always(), clock=lambda: 0.0)
+    assert decoder.gate is not None
+    for verified in [True] * 3 + [False] * 3:
+        decoder.gate.observe(1, 3 if verified else 1, 4.0 if verified else 1.0, verified)
+    overlaps = []
+    for _ in range(8):  # refused, then the probe after the overlapped steps: 1, 2, 4 ... up to GATE_PROBE_EVERY
+        assert not decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [3], step_s=None))
+        overlaps.append(decoder.gated)
+        assert decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [3], step_s=None, resumed=True))
+        assert decoder.gated == 0
+    assert overlaps == [1, 2, 4, 8, 16, 32, 32, 32]
 
 
 def test_one_slow_step_does_not_turn_the_cost_gate() -> None:

@@ -206,3 +206,39 @@ def test_with_async_scheduling_drafts_come_only_while_steps_run_one_at_a_time(ll
     assert spec == plain
     assert max(overlapped) == 2 and core.scheduler.spec.num_draft_tokens > 0
     assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.pool.num_blocks
+
+
+def test_steps_overlap_while_the_cost_gate_keeps_a_batch_size_plain(llama_dir: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within max_batch_size, a step whose proposal the cost gate refused reports it (spec_gated), the engine
+    overlaps the next steps (async scheduling, no proposals), and the first proposal after them is a probe
+    (ProposalInput.resumed) that drafts. Greedy tokens are those of the same engine without speculation."""
+    from tokenmill.spec_decode.adaptive import GATE_PROBE_EVERY, CostGate
+
+    prompts = [p * 3 for p in random_prompts(3, 4, 8, seed=35)]  # repeats: prompt lookup finds drafts
+    params = [SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True) for _ in prompts]
+    common = dict(dtype="float32", kv_cache_memory="8MiB", block_size=8, async_scheduling=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama_dir, **common).generate(prompts, params, use_tqdm=False)]
+    decisions: list[bool] = []
+
+    def refusing(self: CostGate, batch: int, resumed: bool = False) -> bool:
+        decisions.append(resumed)
+        return resumed  # plain, except the probe after overlapped steps
+
+    monkeypatch.setattr(CostGate, "pays", refusing)
+    llm = LLM(llama_dir, **common, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    core = llm.engine.core
+    overlapped, submit = [0], core._submit
+
+    def counting_submit() -> None:
+        submit()
+        overlapped[0] += 1
+
+    core._submit = counting_submit  # type: ignore[method-assign]
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert spec == plain
+    # a batch of 3 is within max_batch_size (32): only the refusals let steps overlap
+    assert overlapped[0] >= GATE_PROBE_EVERY
+    assert True in decisions and False in decisions  # probes after overlapped steps, refusals otherwise
+    assert core.scheduler.spec.num_draft_tokens > 0  # the probes drafted
+    assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.pool.num_blocks

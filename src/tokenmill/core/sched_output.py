@@ -106,3 +106,6 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # the KV bytes of SchedulerOutput.blocks_to_offload, in its order
     offloaded_kv: list[bytes] = field(default_factory=list)
+    # the proposer's cost gate chose steps without drafts at this batch size (spec_decode/adaptive.py): how many of
+    # the next steps the engine may overlap (they propose nothing) before it lets the proposer probe again
+    spec_gated: int = 0

@@ -77,6 +77,7 @@ class EngineCore:
                 blocks_per_step=int(tc.extra("blocks_per_step")),
                 layout=kv_layout_fingerprint(config, kv_config.bytes_per_block))
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self._spec_overlap = 0  # steps left to overlap after the proposer's gate chose plain ones (_speculating)
         self._scheduled: dict[str, float] = {}  # first scheduled, not yet reported
         self._failed: list[EngineCoreOutput] = []  # requests of failed steps, not yet reported
         self._failed_steps = 0  # in a row
@@ -204,13 +205,15 @@ class EngineCore:
 
     def _speculating(self) -> bool:
         """Whether the workers may propose drafts now: speculative decoding is configured, and the
-        adaptive rule is off or the running batch is within its max_batch_size (or a request brings
-        a Predicted Outputs reference, drafted whatever the batch)."""
+        adaptive rule is off, or the running batch is within its max_batch_size and the proposer's cost
+        gate has not just chosen steps without drafts (ModelRunnerOutput.spec_gated: that many steps are
+        overlapped first); or a request brings a Predicted Outputs reference, drafted whatever the batch."""
         spec = self.config.speculative
         if spec is None:
             return False
-        return (not spec.adaptive or len(self.scheduler.running) <= spec.max_batch_size
-                or self.scheduler.has_predictions())
+        if self.scheduler.has_predictions():
+            return True
+        return not spec.adaptive or (len(self.scheduler.running) <= spec.max_batch_size and not self._spec_overlap)
 
     def _submit(self) -> None:
         so = self._schedule()
@@ -242,6 +245,7 @@ class EngineCore:
         return self.scheduler.fail_requests({rid: message for rid in so.num_scheduled_tokens})
 
     def _schedule(self) -> SchedulerOutput:
+        self._spec_overlap = max(0, self._spec_overlap - 1)
         began = time.perf_counter()
         so = self.scheduler.schedule()
         if self._meter is not None:
@@ -255,6 +259,8 @@ class EngineCore:
 
     def _outputs(self, so: SchedulerOutput | None, runner_out: ModelRunnerOutput | None) -> EngineCoreOutputs:
         outputs, self._failed = self._failed, []
+        if runner_out is not None and runner_out.spec_gated:
+            self._spec_overlap = runner_out.spec_gated
         if so is not None and runner_out is not None:
             outputs += self.scheduler.update_from_output(so, runner_out)
             self._failed_steps = 0

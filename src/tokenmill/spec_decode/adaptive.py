@@ -28,7 +28,11 @@ steps without drafts, a request's new tokens); the gate leaves it out, since it 
 resumes, not in every drafted step, and counting it would hold the gate on the plain side after every probe.
 Where proposing is measured slower, the method proposes nothing in that bucket, with one step in
 GATE_PROBE_EVERY spent on the other mode so that its estimate can recover. Steps with prefill rows are not
-measured.
+measured. A step the gate keeps plain is reported (`gated`, ModelRunnerOutput.spec_gated): the engine then
+overlaps its next steps (async scheduling; none of them proposes), 1 after the gate's first refusal and
+twice as many after each further one, up to GATE_PROBE_EVERY, until it chooses to draft again; the first
+proposal after steps that were not asked to propose (`ProposalInput.resumed`) probes the drafts. (A lone
+refusal where drafting pays costs one plain step; a batch size where it does not runs overlapped.)
 
 A request with a reference text (SamplingParams.prediction_token_ids, from OpenAI's `prediction`) is
 drafted from it by prompt lookup, whatever the configured method and without the rule."""
@@ -117,12 +121,13 @@ class CostGate:
         bucket = self.buckets.setdefault(batch.bit_length(), _Bucket())
         (bucket.spec if verified else bucket.plain).add(tokens, seconds)
 
-    def pays(self, batch: int) -> bool:
-        """Whether to propose for the next step of `batch` requests."""
+    def pays(self, batch: int, resumed: bool = False) -> bool:
+        """Whether to propose for the next step of `batch` requests; resumed: steps ran without being asked
+        to propose since the last decision (the engine overlapped them), so this one probes the drafts."""
         bucket = self.buckets.setdefault(batch.bit_length(), _Bucket())
         bucket.decisions += 1
         plain, spec = bucket.plain, bucket.spec
-        if spec.steps < GATE_MIN_STEPS:
+        if spec.steps < GATE_MIN_STEPS or resumed:
             return True
         if plain.steps < GATE_MIN_STEPS:
             return False
@@ -153,6 +158,8 @@ class SpecDecoder:
         self.propose_s = 0.0  # how long the last propose() took
         self.positions = 0  # the draft positions the last propose() asked its proposer for (0: not called)
         self.draft_cost: float | None = None  # c above (None: not measured yet)
+        self.gated = 0  # where the gate chose plain steps in the last propose(): the steps the engine may overlap
+        self.refusals = 0  # the gate's refusals since it last chose to draft (probes aside)
         self.k = spec.num_speculative_tokens if spec is not None else 0
         self.needs_hidden_states = bool(getattr(proposer, "needs_hidden_states", False))
         self.acceptance: dict[str, _Acceptance] = {}
@@ -192,6 +199,7 @@ class SpecDecoder:
             self.propose_s = max(0.0, self.clock() - start - catchup)
 
     def _propose(self, batch: ProposalInput) -> dict[str, list[int]]:
+        self.gated = 0
         out: dict[str, list[int]] = {}
         own: list[int] = []  # the requests the method drafts for
         if self.gate is not None and batch.step_s is not None:
@@ -216,8 +224,12 @@ class SpecDecoder:
         if self.proposer is None or not own or self.spec is None:
             return out
         batch.max_drafts = [0] * len(batch.req_ids)
-        if self.gate is not None and not self.gate.pays(len(batch.req_ids)):
+        if self.gate is not None and not self.gate.pays(len(batch.req_ids), batch.resumed):
+            self.refusals += 1
+            self.gated = min(GATE_PROBE_EVERY, 2 ** (self.refusals - 1))
             return out
+        if not batch.resumed:  # (a probe says nothing of the gate's choice)
+            self.refusals = 0
         for i in own:
             rid = batch.req_ids[i]
             acc = self.acceptance.setdefault(rid, _Acceptance())

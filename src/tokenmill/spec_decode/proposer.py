@@ -29,6 +29,8 @@ class ProposalInput:
     # the step's own seconds (model and sampling, before proposing) where it ran decodes and verification
     # runs only; None: not measured (prefill rows), or not timed
     step_s: float | None = None
+    # steps ran since the last proposal that were not asked to propose (overlapped, or over max_batch_size)
+    resumed: bool = False
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class ModelRunner:
         self.sampling = SamplingTable(config.model.arch.eos_token_ids)  # the states' sampling parameters, one row each
         self.sampler = Sampler(ops)
         self.proposer: Proposer | None = None  # draft tokens for the next step (speculative decoding)
+        self._unproposed = False  # a step since the last proposal was not asked to propose
         self._hidden: torch.Tensor | None = None  # the sampled rows' hidden states, for a proposer that needs them
         # a pure-decode step's layer loop in one C++ call where the model and backend allow it
         self.fused_decode = FusedDecode.create(model, ops, backend)
@@ -212,6 +213,7 @@ class ModelRunner:
                 return ModelRunnerOutput([], [], failed=prepared.failed, offloaded_kv=offloaded)
             propose = (self.proposer is not None and prepared.propose and bool(prepared.step.sample_states)
                        and getattr(self.proposer, "active", True))
+            self._unproposed |= self.proposer is not None and not prepared.propose
             start = time.perf_counter()
             out = self._execute(prepared.step, prepared.meta, prepared.rows, prepared.sampling, propose)
             self.stage_times.steps += 1
@@ -220,6 +222,7 @@ class ModelRunner:
                 step = prepared.step  # measured where it ran decodes and verification runs only
                 step_s = time.perf_counter() - start if len(step.logits_indices) == len(step.input_ids) else None
                 out.spec_token_ids = self._propose(step, out, step_s)
+                out.spec_gated = int(getattr(self.proposer, "gated", 0))
             out.failed = prepared.failed
             out.offloaded_kv = offloaded
             return out
@@ -430,7 +433,9 @@ class ModelRunner:
         batch = ProposalInput([st.req_id for st in states], [st.token_ids for st in states], taken,
                               sampling_params=[st.sampling_params for st in states],
                               target_token_ids=[step.verified.get(k, out.sampled_token_ids[p])
-                                                for k, p in enumerate(step.sample_positions)], step_s=step_s)
+                                                for k, p in enumerate(step.sample_positions)], step_s=step_s,
+                              resumed=self._unproposed)
+        self._unproposed = False
         if self._hidden is not None:  # the row whose logits gave each request's newest token
             rows, first = [], 0
             for k, n in enumerate(taken):
