@@ -135,7 +135,7 @@ class QuantizedLinearMethod:
             _set(layer, "zeros", w.zero.new_empty(0).float() if symmetric else w.zero.float())
             group = formats.group_of(self.cfg, layer.input_size)
         elif self.cfg.scheme == "w8a8":
-            padded, wsum = ref.w8a8_layout(w.q)
+            padded, wsum = ref.w8a8_layout(w.q, w.wsum)
             _set(layer, "qweight", padded)
             _set(layer, "weight_sum", wsum)
             if self.kernels is not None and onednn_int8_available():

@@ -70,10 +70,10 @@ def weight_sum(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.int32).sum(dim=1).to(torch.int32)
 
 
-def w8a8_layout(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] -> (the W8A8 kernel's zero-padded [N, Kp], row sums int32 [N])."""
+def w8a8_layout(q: torch.Tensor, wsum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] -> (the W8A8 kernel's zero-padded [N, Kp], row sums int32 [N]: `wsum` where already made)."""
     k = q.shape[1]
-    return F.pad(q, (0, round_up(k, W8A8_K_ALIGN) - k)).contiguous(), weight_sum(q)
+    return F.pad(q, (0, round_up(k, W8A8_K_ALIGN) - k)).contiguous(), weight_sum(q) if wsum is None else wsum
 
 
 # ---- the references -----------------------------------------------------------------------------------

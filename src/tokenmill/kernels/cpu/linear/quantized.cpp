@@ -908,9 +908,6 @@ at::Tensor dequantize_bf16(const at::Tensor& weight, const at::Tensor& scale, co
 // Round-to-nearest of a float weight [N, K] (bf16, fp16 or fp32) into the layouts above, in one pass a row: the
 // values of layers/quantization/reference.py's rtn_int8 (then weight_sum) and rtn_int4 (then pack_int4), op for op
 // in fp32 (w / scale, then + zero, rounded half to even), so that a load that rounds here holds the same integers.
-template <typename T>
-float as_float(T v) { return static_cast<float>(v); }
-
 // int8 per output row: (q int8 [N, K], scale fp32 [N], wsum int32 [N]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rtn_int8(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && at::isFloatingType(weight.scalar_type()), "rtn_int8: weight must be a float [N, K]");
@@ -929,7 +926,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rtn_int8(const at::Tensor& weight
       for (int64_t n = n0; n < n1; ++n) {
         float amax = 0.0f;
         for (int64_t k = 0; k < K; ++k) {
-          row[k] = as_float(wp[n * K + k]);
+          row[k] = static_cast<float>(wp[n * K + k]);
           amax = std::max(amax, std::fabs(row[k]));
         }
         const float sc = std::max(amax, 1e-10f) / 127.0f;
@@ -975,19 +972,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rtn_int4(const at::Tensor& weight
           if (zero_point) {
             float lo = 0.0f, hi = 0.0f;  // (a short group's padding is 0, inside the clamps)
             for (int64_t k = k0; k < k1; ++k) {
-              lo = std::min(lo, as_float(wr[k]));
-              hi = std::max(hi, as_float(wr[k]));
+              lo = std::min(lo, static_cast<float>(wr[k]));
+              hi = std::max(hi, static_cast<float>(wr[k]));
             }
             sc = std::max((hi - lo) / 15.0f, 1e-10f);
             z = std::min(std::max(std::nearbyint(-lo / sc), 0.0f), 15.0f);
           } else {
             float amax = 0.0f;
-            for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(as_float(wr[k])));
+            for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(static_cast<float>(wr[k])));
             sc = std::max(amax, 1e-10f) / 7.5f;
             z = 8.0f;
           }
           for (int64_t k = k0; k < k1; ++k) {
-            const float t = as_float(wr[k]) / sc + z;
+            const float t = static_cast<float>(wr[k]) / sc + z;
             q[k] = static_cast<uint8_t>(std::min(std::max(std::nearbyint(t), 0.0f), 15.0f));
           }
           sp[n * G + g] = sc;
