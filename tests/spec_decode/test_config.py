@@ -263,6 +263,32 @@ def test_the_draft_model_reports_its_catch_up(llama_dir: str, draft_dir: str) ->
     assert proposer.propose(ProposalInput(["s"], [[7]], [1], step_s=None)) and proposer.catchup_s == 0.0
 
 
+def test_the_draft_model_spreads_a_catch_up_over_steps(llama_dir: str, draft_dir: str) -> None:
+    """With a feed budget of 10 tokens, three new requests (prompts of 5, 30 and 40 tokens): the first call feeds
+    the shortest prompt whole and drafts for it, the next prompt the budget's other 5 tokens, the last none; later calls
+    go on catching up, the shortest feed first. The drafts each request gets once caught up are the ones an
+    unbudgeted proposer gives it from its whole prompt in one call."""
+    cfg = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", speculative_config=cfg)
+    proposer = llm.engine.core.executor.worker.model_runner.proposer.proposer
+    prompts = {"a": list(range(5, 10)), "b": list(range(40, 70)), "c": list(range(100, 140))}
+    whole = {rid: proposer.propose(ProposalInput([rid], [ids], [len(ids)], step_s=None))[rid]
+             for rid, ids in prompts.items()}
+    proposer.finished(set(prompts))
+    assert proposer.num_free_blocks == proposer.blocks.num_blocks
+
+    proposer.feed_budget = 10
+    batch = ProposalInput(["c", "b", "a"], [prompts["c"], prompts["b"], prompts["a"]], [40, 30, 5], step_s=None)
+    assert proposer.propose(batch) == {"a": whole["a"]}
+    assert [len(proposer.states[rid].seq) for rid in "abc"] == [5 + 2, 5, 0]  # a holds its fed drafts too
+    got: dict[str, list[int]] = {}
+    for _ in range(8):
+        got.update({rid: d for rid, d in proposer.propose(batch).items() if rid not in got})
+    assert got == whole
+    proposer.finished(set(prompts))
+    assert proposer.num_free_blocks == proposer.blocks.num_blocks
+
+
 def test_a_large_batch_proposes_nothing(llama_dir: str) -> None:
     llm = LLM(llama_dir, dtype="float32", num_threads=1, kv_cache_memory="16MiB",
               speculative_config={"method": "lookahead", "num_speculative_tokens": 3, "max_batch_size": 4})

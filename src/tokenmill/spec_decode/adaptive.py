@@ -243,12 +243,12 @@ class SpecDecoder:
         if not any(batch.max_drafts):
             return out
         place = {rid: i for i, rid in enumerate(batch.req_ids)}
-        self.positions = max(batch.max_drafts)
         for rid, drafts in self.proposer.propose(batch).items():
             i = place[rid]
             if rid not in out and drafts and batch.max_drafts[i] > 0:
                 out[rid] = drafts[:batch.max_drafts[i]]
                 self.proposed[rid] = len(out[rid])
+                self.positions = max(self.positions, len(out[rid]))  # (none drafted: no cost to measure)
         return out
 
     def _observe(self, rid: str, taken: int) -> None:

@@ -3,9 +3,13 @@
 
 Each propose() call first brings the draft's cache up to each request's tokens (the first call
 prefills the prompt; later ones feed what the target took since), then runs k - 1 more one-token
-steps, all requests batched. The draft's cache holds its own drafts too: the next call keeps only the
-longest prefix that the request's tokens still share (the rejected drafts' slots are rolled back and
-rewritten). Greedy requests take the draft's argmax; the others sample the draft's temperature-scaled
+steps, all requests batched. Under the adaptive rule a call feeds the shortest feed whole and the
+others up to FEED_BUDGET tokens in all, shortest first: a request whose feed does not fit gets no
+drafts that step and is fed the budget's rest, so that a catch-up of many requests (their prompts;
+their tokens after steps the rule kept plain) is spread over steps instead of one step as long as a
+prefill of every request. The draft's cache holds its own drafts too: the next call keeps only the longest prefix
+that the request's tokens still share (the rejected drafts' slots are rolled back and rewritten).
+Greedy requests take the draft's argmax; the others sample the draft's temperature-scaled
 distribution q, which the proposer keeps (`draft_probs`) for the sampler's min(1, p/q) rule.
 
 Where the draft model takes the fused decode path (worker/fused_decode.py, built by
@@ -38,6 +42,10 @@ from tokenmill.spec_decode.proposer import ProposalInput, ProposerContext
 # the longest feed a fused call takes (a feed is a request's tokens since its last call: one, or the
 # accepted drafts and one more); a longer one (the prompt) runs the layer path
 FUSED_FEED_MAX = 32
+# under the adaptive rule, the most tokens one propose() feeds the draft model (the sum over its requests; its
+# shortest feed goes whole whatever its length): a longer catch-up (new requests' prompts; many requests' tokens
+# after steps the rule kept plain) spreads over steps
+FEED_BUDGET = 256
 
 
 @dataclass
@@ -84,6 +92,8 @@ class DraftModelProposer:
         # of the last propose(), the seconds its first forward took beyond a one-token one: feeding the draft
         # the tokens it had not seen (adaptive.SpecDecoder leaves them out of the drafted steps' cost)
         self.catchup_s = 0.0
+        # the feed budget under the adaptive rule (load sets it; None: every feed whole, each step drafting for all)
+        self.feed_budget: int | None = None
         self._one_token_s: float | None = None  # the last propose's fastest forward of one-token feeds
 
     @classmethod
@@ -117,9 +127,11 @@ class DraftModelProposer:
             tensor = torch.zeros(shape, dtype=getattr(torch, group.spec.dtype), device=ctx.device)
             for i, name in enumerate(group.layer_names):
                 layers[name].bind(tensor[i], backend)
-        return cls(spec.num_speculative_tokens, model, backend, kv_config, ctx.device,
-                   min(arch.max_position_embeddings, cfg.model.max_model_len),
-                   ctx.fused_decode(model, ctx.kernels, backend) if ctx.fused_decode is not None else None)
+        proposer = cls(spec.num_speculative_tokens, model, backend, kv_config, ctx.device,
+                       min(arch.max_position_embeddings, cfg.model.max_model_len),
+                       ctx.fused_decode(model, ctx.kernels, backend) if ctx.fused_decode is not None else None)
+        proposer.feed_budget = FEED_BUDGET if spec.adaptive else None
+        return proposer
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,8 +147,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, batch: ProposalInput) -> dict[str, list[int]]:
         self.draft_probs = {}
-        active: list[tuple[str, _DraftSeq, int, SamplingParams | None]] = []
-        feeds: list[list[int]] = []
+        wanted: list[tuple[str, _DraftSeq, int, SamplingParams | None, list[int]]] = []
         for i, (rid, tokens) in enumerate(zip(batch.req_ids, batch.token_ids, strict=True)):
             k = self.k if batch.max_drafts is None else batch.max_drafts[i]
             k = min(k, self.max_len - len(tokens))
@@ -150,19 +161,30 @@ class DraftModelProposer:
             keep = c + _common_prefix(st.seq[c:], tokens[c:])
             keep = st.committed = min(keep, len(tokens) - 1)  # the last token is fed: its logits give the first draft
             del st.seq[keep:]
-            if not self.blocks.ensure(st, len(tokens) + k - 1):
-                self.blocks.release(st)  # the draft pool is full: this request starts over later
-                st.seq, st.committed = [], 0
+            wanted.append((rid, st, k, params, list(tokens[keep:])))
+        # the feeds within the step's budget, shortest first (the first one whole): a request whose whole feed does
+        # not fit is fed the budget's rest (no drafts this step) or nothing, and catches up over the next steps
+        budget = self.feed_budget if self.feed_budget is not None else sum(len(w[4]) for w in wanted)
+        active: list[tuple[str, _DraftSeq, int, SamplingParams | None]] = []
+        feeds: list[list[int]] = []
+        for rid, st, k, params, feed in sorted(wanted, key=lambda w: len(w[4])):
+            if len(feed) > budget and active:
+                k, feed = 0, feed[:budget]
+            if not feed or not self.blocks.ensure(st, len(st.seq) + len(feed) + max(k - 1, 0)):
+                if feed:
+                    self.blocks.release(st)  # the draft pool is full: this request starts over later
+                    st.seq, st.committed = [], 0
                 continue
+            budget = max(budget - len(feed), 0)
             active.append((rid, st, k, params))
-            feeds.append(list(tokens[keep:]))
+            feeds.append(feed)
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in active}
         probs: dict[str, list[torch.Tensor]] = {}
         # a step after one that verified drafts feeds one or two tokens a request (its last draft and the
         # verified token after it, when every draft was taken): more is catching up
         catching_up = any(len(feed) > 2 for feed in feeds)
         times: list[float] = []
-        for _ in range(max((k for _, _, k, _ in active), default=0)):
+        for _ in range(max((max(k, 1) for _, _, k, _ in active), default=0)):
             if not active:
                 break
             greedy = all(params is None or params.greedy for *_, params in active)
@@ -172,6 +194,8 @@ class DraftModelProposer:
             nxt: list[tuple[str, _DraftSeq, int, SamplingParams | None]] = []
             feeds = []
             for row, (rid, st, k, params) in enumerate(active):
+                if k == 0:  # fed part of its catch-up only
+                    continue
                 if out.dtype == torch.long:  # the rows' argmax tokens
                     tok = int(out[row])
                 else:
