@@ -16,7 +16,14 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SPECULATIVE_METHODS, EngineArgs, SpeculativeConfig
-from tokenmill.spec_decode.adaptive import GATE_PROBE_EVERY, CostGate, SpecDecoder, adaptive_k
+from tokenmill.spec_decode.adaptive import (
+    GATE_FAR_OVERLAP,
+    GATE_FAR_RATIO,
+    GATE_PROBE_EVERY,
+    CostGate,
+    SpecDecoder,
+    adaptive_k,
+)
 from tokenmill.spec_decode.proposer import ProposalInput
 from tokenmill.spec_decode.registry import PROPOSERS
 
@@ -197,6 +204,25 @@ def test_the_cost_gate_probes_after_steps_that_were_not_asked_to_propose() -> No
         assert decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [3], step_s=None, resumed=True))
         assert decoder.gated == 0
     assert overlaps == [1, 2, 4, 8, 16, 32, 32, 32]
+
+
+@pytest.mark.parametrize("drafted_s", [4.0, 8.0])
+def test_the_overlapped_runs_grow_longer_where_drafting_is_far_behind(drafted_s: float) -> None:
+    """Drafted steps take 3 tokens in 4 s (0.75 of the plain rate, 1 token in 1 s) or in 8 s (0.375): the runs of
+    overlapped steps between probes stop at GATE_PROBE_EVERY in the first case and grow on to GATE_FAR_OVERLAP in
+    the second, under GATE_FAR_RATIO."""
+    assert GATE_FAR_RATIO == 0.75 and GATE_FAR_OVERLAP == 4 * GATE_PROBE_EVERY
+    decoder = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=2), Always(), clock=lambda: 0.0)
+    assert decoder.gate is not None
+    for verified in [True] * 3 + [False] * 3:
+        decoder.gate.observe(1, 3 if verified else 1, drafted_s if verified else 1.0, verified)
+    overlaps = []
+    for _ in range(9):
+        assert not decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [3], step_s=None))
+        overlaps.append(decoder.gated)
+        assert decoder.propose(ProposalInput(["a"], [[1, 2, 3]], [3], step_s=None, resumed=True))
+    cap = GATE_PROBE_EVERY if drafted_s == 4.0 else GATE_FAR_OVERLAP
+    assert overlaps == [min(cap, 2 ** i) for i in range(9)]
 
 
 def test_one_slow_step_does_not_turn_the_cost_gate() -> None:

@@ -30,7 +30,9 @@ Where proposing is measured slower, the method proposes nothing in that bucket, 
 GATE_PROBE_EVERY spent on the other mode so that its estimate can recover. Steps with prefill rows are not
 measured. A step the gate keeps plain is reported (`gated`, ModelRunnerOutput.spec_gated): the engine then
 overlaps its next steps (async scheduling; none of them proposes), 1 after the gate's first refusal and
-twice as many after each further one, up to GATE_PROBE_EVERY, until it chooses to draft again; the first
+twice as many after each further one, up to GATE_PROBE_EVERY (GATE_FAR_OVERLAP where drafted steps measure under
+GATE_FAR_RATIO of the plain rate: there a probe costs more than it can find, above all a draft model's, which
+catches up on the tokens of every request it drafts for), until it chooses to draft again; the first
 proposal after steps that were not asked to propose (`ProposalInput.resumed`) probes the drafts. (A lone
 refusal where drafting pays costs one plain step; a batch size where it does not runs overlapped.)
 
@@ -80,6 +82,10 @@ GATE_WINDOW = 9  # the steps of each mode whose rate a bucket compares
 GATE_OUTLIER = 3.0  # a step over this many times its window's median seconds is left out of the rate
 GATE_MIN_STEPS = 3  # steps of each mode a bucket measures before it chooses
 GATE_PROBE_EVERY = 32  # one step in this many runs the mode the gate did not choose
+# where drafted steps measure under GATE_FAR_RATIO of the plain steps' rate, the overlapped runs between probes
+# grow on to GATE_FAR_OVERLAP steps
+GATE_FAR_RATIO = 0.75
+GATE_FAR_OVERLAP = 128
 
 
 @dataclass
@@ -133,6 +139,13 @@ class CostGate:
             return False
         better = spec.rate >= plain.rate
         return better != (bucket.decisions % GATE_PROBE_EVERY == 0)  # a probe of the other mode
+
+    def far_behind(self, batch: int) -> bool:
+        """Whether drafted steps at this batch size measure under GATE_FAR_RATIO of the plain rate."""
+        bucket = self.buckets.setdefault(batch.bit_length(), _Bucket())
+        plain, spec = bucket.plain, bucket.spec
+        return (plain.steps >= GATE_MIN_STEPS and spec.steps >= GATE_MIN_STEPS
+                and spec.rate < GATE_FAR_RATIO * plain.rate)
 
 
 def adaptive_k(rate: float, k: int, batch: int, max_batch_size: int, draft_cost: float = 0.0) -> int:
@@ -226,7 +239,8 @@ class SpecDecoder:
         batch.max_drafts = [0] * len(batch.req_ids)
         if self.gate is not None and not self.gate.pays(len(batch.req_ids), batch.resumed):
             self.refusals += 1
-            self.gated = min(GATE_PROBE_EVERY, 2 ** (self.refusals - 1))
+            cap = GATE_FAR_OVERLAP if self.gate.far_behind(len(batch.req_ids)) else GATE_PROBE_EVERY
+            self.gated = min(cap, 2 ** (self.refusals - 1))
             return out
         if not batch.resumed:  # (a probe says nothing of the gate's choice)
             self.refusals = 0
