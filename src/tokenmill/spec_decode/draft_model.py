@@ -7,9 +7,9 @@ steps, all requests batched. Under the adaptive rule a call feeds the shortest f
 others up to FEED_BUDGET tokens in all, shortest first: a request whose feed does not fit gets no
 drafts that step and is fed the budget's rest, so that a catch-up of many requests (their prompts;
 their tokens after steps the rule kept plain) is spread over steps instead of one step as long as a
-prefill of every request. The draft's cache holds its own drafts too: the next call keeps only the longest prefix
-that the request's tokens still share (the rejected drafts' slots are rolled back and rewritten).
-Greedy requests take the draft's argmax; the others sample the draft's temperature-scaled
+prefill of every request. The draft's cache holds its own drafts too: the next call keeps only the
+longest prefix that the request's tokens still share (the rejected drafts' slots are rolled back and
+rewritten). Greedy requests take the draft's argmax; the others sample the draft's temperature-scaled
 distribution q, which the proposer keeps (`draft_probs`) for the sampler's min(1, p/q) rule.
 
 Where the draft model takes the fused decode path (worker/fused_decode.py, built by
