@@ -225,6 +225,17 @@ def test_the_overlapped_runs_grow_longer_where_drafting_is_far_behind(drafted_s:
     assert overlaps == [min(cap, 2 ** i) for i in range(9)]
 
 
+@pytest.mark.parametrize("drafted_s", [4.0, 8.0])
+def test_a_gate_far_behind_probes_drafting_seldom(drafted_s: float) -> None:
+    """A synchronous engine asks the gate at every step: where drafted steps measure at 0.75 of the plain rate it
+    probes drafting one decision in GATE_PROBE_EVERY, where they measure at 0.375 one in GATE_FAR_OVERLAP."""
+    gate = CostGate()
+    for verified in [True] * 3 + [False] * 3:
+        gate.observe(1, 3 if verified else 1, drafted_s if verified else 1.0, verified)
+    probes = sum(gate.pays(1) for _ in range(2 * GATE_FAR_OVERLAP))
+    assert probes == 2 * GATE_FAR_OVERLAP // (GATE_PROBE_EVERY if drafted_s == 4.0 else GATE_FAR_OVERLAP)
+
+
 def test_one_slow_step_does_not_turn_the_cost_gate() -> None:
     """Drafted steps take 3 tokens in 4 s, plain ones 1 token in 1 s: plain pays, and one plain step of 100 s
     (the host pausing the process) leaves it so: a step far slower than its mode's recent ones is left out."""

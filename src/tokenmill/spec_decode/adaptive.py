@@ -27,7 +27,8 @@ reports the part of its proposing spent catching that model up on tokens it has 
 steps without drafts, a request's new tokens); the gate leaves it out, since it is paid once when proposing
 resumes, not in every drafted step, and counting it would hold the gate on the plain side after every probe.
 Where proposing is measured slower, the method proposes nothing in that bucket, with one step in
-GATE_PROBE_EVERY spent on the other mode so that its estimate can recover. Steps with prefill rows are not
+GATE_PROBE_EVERY spent on the other mode so that its estimate can recover (drafting, where its steps measure
+under GATE_FAR_RATIO of the plain rate, one step in GATE_FAR_OVERLAP). Steps with prefill rows are not
 measured. A step the gate keeps plain is reported (`gated`, ModelRunnerOutput.spec_gated): the engine then
 overlaps its next steps (async scheduling; none of them proposes), 1 after the gate's first refusal and
 twice as many after each further one, up to GATE_PROBE_EVERY (GATE_FAR_OVERLAP where drafted steps measure under
@@ -138,7 +139,9 @@ class CostGate:
         if plain.steps < GATE_MIN_STEPS:
             return False
         better = spec.rate >= plain.rate
-        return better != (bucket.decisions % GATE_PROBE_EVERY == 0)  # a probe of the other mode
+        # a probe of the other mode; of drafting, where it is far behind, as seldom as the longest overlapped runs
+        every = GATE_FAR_OVERLAP if spec.rate < GATE_FAR_RATIO * plain.rate else GATE_PROBE_EVERY
+        return better != (bucket.decisions % every == 0)
 
     def far_behind(self, batch: int) -> bool:
         """Whether drafted steps at this batch size measure under GATE_FAR_RATIO of the plain rate."""
