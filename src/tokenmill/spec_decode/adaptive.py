@@ -115,6 +115,14 @@ class _Bucket:
     spec: _Rate = field(default_factory=_Rate)
     decisions: int = 0
 
+    def compare(self) -> tuple[bool, bool] | None:
+        """(drafted steps measure at least the plain rate, they measure under GATE_FAR_RATIO of it), once both
+        modes have GATE_MIN_STEPS; else None."""
+        if self.spec.steps < GATE_MIN_STEPS or self.plain.steps < GATE_MIN_STEPS:
+            return None
+        spec, plain = self.spec.rate, self.plain.rate
+        return spec >= plain, spec < GATE_FAR_RATIO * plain
+
 
 class CostGate:
     """Whether proposing pays at a batch size: measured tokens per second with drafts against without."""
@@ -133,22 +141,19 @@ class CostGate:
         to propose since the last decision (the engine overlapped them), so this one probes the drafts."""
         bucket = self.buckets.setdefault(batch.bit_length(), _Bucket())
         bucket.decisions += 1
-        plain, spec = bucket.plain, bucket.spec
-        if spec.steps < GATE_MIN_STEPS or resumed:
+        if bucket.spec.steps < GATE_MIN_STEPS or resumed:
             return True
-        if plain.steps < GATE_MIN_STEPS:
+        compared = bucket.compare()
+        if compared is None:  # the plain side not measured yet
             return False
-        better = spec.rate >= plain.rate
+        better, far = compared
         # a probe of the other mode; of drafting, where it is far behind, as seldom as the longest overlapped runs
-        every = GATE_FAR_OVERLAP if spec.rate < GATE_FAR_RATIO * plain.rate else GATE_PROBE_EVERY
-        return better != (bucket.decisions % every == 0)
+        return better != (bucket.decisions % (GATE_FAR_OVERLAP if far else GATE_PROBE_EVERY) == 0)
 
     def far_behind(self, batch: int) -> bool:
         """Whether drafted steps at this batch size measure under GATE_FAR_RATIO of the plain rate."""
-        bucket = self.buckets.setdefault(batch.bit_length(), _Bucket())
-        plain, spec = bucket.plain, bucket.spec
-        return (plain.steps >= GATE_MIN_STEPS and spec.steps >= GATE_MIN_STEPS
-                and spec.rate < GATE_FAR_RATIO * plain.rate)
+        compared = self.buckets.setdefault(batch.bit_length(), _Bucket()).compare()
+        return compared is not None and compared[1]
 
 
 def adaptive_k(rate: float, k: int, batch: int, max_batch_size: int, draft_cost: float = 0.0) -> int:

@@ -170,10 +170,11 @@ class DraftModelProposer:
         for rid, st, k, params, feed in sorted(wanted, key=lambda w: len(w[4])):
             if len(feed) > budget and active:
                 k, feed = 0, feed[:budget]
-            if not feed or not self.blocks.ensure(st, len(st.seq) + len(feed) + max(k - 1, 0)):
-                if feed:
-                    self.blocks.release(st)  # the draft pool is full: this request starts over later
-                    st.seq, st.committed = [], 0
+                if not feed:  # the budget is spent
+                    continue
+            if not self.blocks.ensure(st, len(st.seq) + len(feed) + max(k - 1, 0)):
+                self.blocks.release(st)  # the draft pool is full: this request starts over later
+                st.seq, st.committed = [], 0
                 continue
             budget = max(budget - len(feed), 0)
             active.append((rid, st, k, params))
