@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tokenmill.kernels import load_cpu_kernels
-from tokenmill.layers.quantization import KERNEL_MAX_ROWS
+from tokenmill.layers.quantization import KERNEL_MAX_ROWS, onednn_int8_product
 from tokenmill.layers.quantization import reference as ref
 
 
@@ -57,10 +57,8 @@ def _kernel(ops: Any, scheme: str, w: torch.Tensor, group: int) -> tuple[Callabl
         zeros = torch.zeros(n, dtype=torch.int64)
 
         def onednn_int8(x: torch.Tensor) -> Any:
-            xq, xs = ref.quantize_rows(x)
-            y = torch.ops.onednn.qlinear_pointwise(xq.to(torch.int8), 1.0, 0, packed8, scale, zeros, None, 1.0, 0,
-                                                   torch.float32, "none", [], "")
-            return (y * xs[:, None]).to(x.dtype)
+            xq, xs = ops.quantize_rows_uint8(x.contiguous())
+            return ops.scale_rows(onednn_int8_product(xq, packed8, scale, zeros), xs, None, x.dtype)
         return onednn_int8, q.numel() + scale.numel() * 4
     q4, s4, z4 = ref.rtn_int4(w, group, False)
     packed4 = ref.pack_int4(q4)

@@ -57,15 +57,28 @@ def quantized_kernels(ops: Any, scheme: str) -> Any:
     return None
 
 
+# the source's zero point in oneDNN's int8 products: rows quantized to int8 are passed as uint8 plus 128
+# (quantize_rows_uint8), as torch's own quantized linear passes them. oneDNN multiplies an int8 source only with
+# AMX-INT8; elsewhere (AVX-512 VNNI) it took its reference implementation, about 1,000x slower
+ONEDNN_SRC_ZERO_POINT = 128
+
+
+def onednn_int8_product(xq: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor) -> torch.Tensor:
+    """float32 [M, N]: xq (uint8 [M, K], zero point ONEDNN_SRC_ZERO_POINT) times a qlinear_prepack'ed int8
+    weight, each output column times its scale."""
+    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, ONEDNN_SRC_ZERO_POINT, packed, scales, zeros, None, 1.0, 0,
+                                              torch.float32, "none", [], "")
+
+
 @functools.lru_cache(maxsize=1)
 def onednn_int8_available() -> bool:
     """Whether this torch has oneDNN's int8 linear ops (onednn.qlinear_prepack / qlinear_pointwise) and
     they run here."""
     try:
         packed = torch.ops.onednn.qlinear_prepack(torch.ones(16, 64, dtype=torch.int8), None)
-        y = torch.ops.onednn.qlinear_pointwise(torch.ones(2, 64, dtype=torch.int8), 1.0, 0, packed,
-                                               torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
-                                               torch.float32, "none", [], "")
+        xq = torch.full((2, 64), 1 + ONEDNN_SRC_ZERO_POINT, dtype=torch.uint8)
+        y = onednn_int8_product(xq, packed, torch.ones(16), torch.zeros(16, dtype=torch.int64))
         return bool((y == 64).all())
     except (RuntimeError, AttributeError):
         return False
@@ -178,10 +191,9 @@ class QuantizedLinearMethod:
         if layout.scheme == "w8a8":
             if kernels is not None and rows.shape[0] > W8A8_VNNI_MAX_ROWS and hasattr(layer, "onednn_qweight"):
                 # the same integer products by oneDNN, each row's scale after
-                xq, xs = kernels.quantize_rows_int8(rows.contiguous())
-                dots = in_onednn_rows(lambda r: torch.ops.onednn.qlinear_pointwise(
-                    r, 1.0, 0, layer.onednn_qweight, scales, layer.__dict__["onednn_zero"], None, 1.0, 0,
-                    torch.float32, "none", [], ""), xq)
+                xq, xs = kernels.quantize_rows_uint8(rows.contiguous())
+                packed, zeros = _t(layer, "onednn_qweight"), layer.__dict__["onednn_zero"]
+                dots = in_onednn_rows(lambda r: onednn_int8_product(r, packed, scales, zeros), xq)
                 y = kernels.scale_rows(dots, xs, bias, rows.dtype)
             else:
                 y = (kernels.w8a8_linear(rows, q, scales, _t(layer, "weight_sum"), k, bias) if kernels is not None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import load_cpu_kernels
-from tokenmill.layers.quantization import onednn_int8_available
+from tokenmill.layers.quantization import ONEDNN_SRC_ZERO_POINT, onednn_int8_available, onednn_int8_product
 from tokenmill.layers.quantization import reference as ref
 
 OPS = load_cpu_kernels()
@@ -130,7 +130,7 @@ def test_every_row_count_w8a8(m: int) -> None:
 @needs_vnni
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_by_onednn_int8(dtype: torch.dtype) -> None:
-    # the batches over W8A8_VNNI_MAX_ROWS: quantize_rows_int8, oneDNN's int8 product, scale_rows; the integer
+    # the batches over W8A8_VNNI_MAX_ROWS: quantize_rows_uint8, oneDNN's int8 product, scale_rows; the integer
     # products are exact, the scaling is fp32 in another order (dots * w_scale, then * x_scale)
     if not onednn_int8_available():
         pytest.skip("oneDNN's int8 linear is not available in this torch")
@@ -138,12 +138,11 @@ def test_w8a8_by_onednn_int8(dtype: torch.dtype) -> None:
     q, scale = ref.rtn_int8(torch.randn(40, 200, generator=gen))
     x = torch.randn(33, 200, generator=gen).to(dtype)
     bias = torch.randn(40, generator=gen).to(dtype)
-    xq, xs = OPS.quantize_rows_int8(x)
+    xq, xs = OPS.quantize_rows_uint8(x)
     expected_q, expected_s = ref.quantize_rows(x)
-    assert torch.equal(xq.float(), expected_q) and torch.equal(xs, expected_s)
-    dots = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, torch.ops.onednn.qlinear_prepack(q, None), scale,
-                                              torch.zeros(40, dtype=torch.int64), None, 1.0, 0, torch.float32,
-                                              "none", [], "")
+    assert xq.dtype == torch.uint8
+    assert torch.equal(xq.float() - ONEDNN_SRC_ZERO_POINT, expected_q) and torch.equal(xs, expected_s)
+    dots = onednn_int8_product(xq, torch.ops.onednn.qlinear_prepack(q, None), scale, torch.zeros(40, dtype=torch.int64))
     got = OPS.scale_rows(dots, xs, bias, dtype)
     padded, _ = ref.w8a8_layout(q)
     expected = ref.w8a8_ref(x, padded, scale, 200, bias)
@@ -231,3 +230,21 @@ def test_dequantized_amx_rows(m: int, n: int, k: int, group: int | None, zero_po
     w4 = ref.dequantize_int4(packed, s4, z4, k, g).bfloat16()
     got = OPS.int4_linear(x, packed, s4, z4, k, g, None)
     _close(got, ref.linear_ref(x, w4, None), torch.bfloat16, x.float().abs() @ w4.float().abs().T)
+
+
+@needs_vnni
+def test_onednn_runs_the_w8a8_product_with_a_kernel_of_its_own(capfd: pytest.CaptureFixture[str]) -> None:
+    # oneDNN's verbose lines name the implementation it chose; with an int8 source and no AMX-INT8 that was
+    # "ref_int8", its reference loop (about 1,000x slower), which the uint8 source avoids
+    if not onednn_int8_available():
+        pytest.skip("oneDNN's int8 linear is not available in this torch")
+    gen = torch.Generator().manual_seed(5)
+    q, scale = ref.rtn_int8(torch.randn(64, 256, generator=gen))
+    packed = torch.ops.onednn.qlinear_prepack(q, None)
+    xq, _ = OPS.quantize_rows_uint8(torch.randn(48, 256, generator=gen))
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        onednn_int8_product(xq, packed, scale, torch.zeros(64, dtype=torch.int64))
+    lines = [line for line in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in line]
+    assert lines, "oneDNN printed no matmul line"
+    assert all("ref" not in line.split(",")[6] for line in lines), lines

@@ -51,7 +51,7 @@ using W8A8Linear = at::Tensor(T, T, T, T, int64_t, const OptTensor&);
 using WriteKvQuant = void(T, T, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, T);
 using AttentionQuant = at::Tensor(T, T, T, T, T, T, T, double, int64_t);
 using ArgmaxRowsMasked = at::Tensor(T, T);
-using QuantizeRowsInt8 = std::tuple<at::Tensor, at::Tensor>(T);
+using QuantizeRowsUint8 = std::tuple<at::Tensor, at::Tensor>(T);
 using ScaleRows = at::Tensor(T, T, const OptTensor&, at::ScalarType);
 using WidenedGemv = at::Tensor(T, T, const OptTensor&);
 
@@ -68,8 +68,8 @@ struct Ops {
       find_op<AttentionQuant>("tokenmill_cpu::paged_attention_quant");
   c10::TypedOperatorHandle<ArgmaxRowsMasked> argmax_rows_masked =
       find_op<ArgmaxRowsMasked>("tokenmill_cpu::argmax_rows_masked");
-  c10::TypedOperatorHandle<QuantizeRowsInt8> quantize_rows_int8 =
-      find_op<QuantizeRowsInt8>("tokenmill_cpu::quantize_rows_int8");
+  c10::TypedOperatorHandle<QuantizeRowsUint8> quantize_rows_uint8 =
+      find_op<QuantizeRowsUint8>("tokenmill_cpu::quantize_rows_uint8");
   c10::TypedOperatorHandle<ScaleRows> scale_rows = find_op<ScaleRows>("tokenmill_cpu::scale_rows");
   c10::TypedOperatorHandle<WidenedGemv> bf16w_gemv = find_op<WidenedGemv>("tokenmill_cpu::bf16w_gemv");
   c10::TypedOperatorHandle<WidenedGemv> bf16w_gemm = find_op<WidenedGemv>("tokenmill_cpu::bf16w_gemm");
@@ -134,15 +134,15 @@ const Ops& ops() {
   return instance;
 }
 
-// W8A8 beyond its VNNI kernel's rows, as QuantizedLinearMethod.apply runs it: each row quantized, oneDNN's
-// int8 matmul in its row counts, each row's scale after
+// W8A8 beyond its VNNI kernel's rows, as QuantizedLinearMethod.apply runs it: each row quantized (uint8, zero
+// point 128), oneDNN's int8 matmul in its row counts, each row's scale after
 at::Tensor w8a8_onednn(const Ops& op, const at::Tensor& x, const at::Tensor& scales, const at::Tensor& packed,
                        const at::Tensor& zeros, const OptTensor& bias) {
   static const c10::OperatorHandle qlinear =
       c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
-  const auto [xq, xs] = op.quantize_rows_int8.call(x.contiguous());
+  const auto [xq, xs] = op.quantize_rows_uint8.call(x.contiguous());
   const at::Tensor dots = in_onednn_rows(xq, [&](const at::Tensor& rows) {
-    torch::jit::Stack stack{rows, 1.0, int64_t{0}, packed, scales, zeros, c10::IValue(), 1.0, int64_t{0},
+    torch::jit::Stack stack{rows, 1.0, int64_t{128}, packed, scales, zeros, c10::IValue(), 1.0, int64_t{0},
                             at::ScalarType::Float, c10::string_view("none"),
                             c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
     qlinear.callBoxed(&stack);

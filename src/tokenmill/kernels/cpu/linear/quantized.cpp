@@ -734,16 +734,19 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 // W8A8 beyond the VNNI kernel's rows (oneDNN's int8 matmul runs the product): x [M, K] (bf16 or fp32) ->
-// (q int8 [M, K], scale fp32 [M]), each row rounded as quantize_rows rounds it (amax / 127, half to even)
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows_int8: x must be contiguous [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quantize_rows_int8: bf16 or fp32");
+// (q uint8 [M, K], scale fp32 [M]), each row rounded as quantize_rows rounds it (amax / 127, half to even) and
+// stored plus 128, for oneDNN's u8 source with zero point 128: the integer products are the signed ones exactly.
+// oneDNN runs an int8 matmul with a signed source only with AMX-INT8; elsewhere (AVX-512 VNNI) that source took
+// its reference implementation, and torch's prepacked weight carries the compensation a u8 source needs
+std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows_uint8: x must be contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quantize_rows_uint8: bf16 or fp32");
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kByte));
   at::Tensor scale = at::empty({M}, x.options().dtype(at::kFloat));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const char* xp = static_cast<const char*>(x.data_ptr());
-  int8_t* qp = q.data_ptr<int8_t>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -758,9 +761,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
       const float s = std::max(_mm512_reduce_max_ps(amax), 1e-10f) / 127.0f;
       sp[m] = s;
       const __m512 sv = _mm512_set1_ps(s);
-      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), zero = _mm512_set1_epi32(128);
       for (int64_t k = 0; k < K; k += 16) {
-        const __m512i v = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(load(k), sv)), lo), hi);
+        const __m512i v = _mm512_add_epi32(
+            _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(load(k), sv)), lo), hi), zero);
         const int64_t left = K - k;
         const __mmask16 mk = tokenmill::first_lanes(left);
         _mm_mask_storeu_epi8(qp + m * K + k, mk, _mm512_cvtepi32_epi8(v));
@@ -834,7 +838,7 @@ at::Tensor w8a8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
                        const c10::optional<at::Tensor>&) {
   w8a8_unavailable();
 }
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor&) { w8a8_unavailable(); }
+std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor&) { w8a8_unavailable(); }
 at::Tensor scale_rows(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType) {
   w8a8_unavailable();
 }
@@ -1011,7 +1015,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, Tensor zero, int in_features, int group, "
         "Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor wsum, int in_features, Tensor? bias) -> Tensor");
-  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_rows_uint8(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor row_scale, Tensor? bias, ScalarType dtype) -> Tensor");
 }
 
@@ -1022,6 +1026,6 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("w8a8_linear", &w8a8_linear);
-  m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("quantize_rows_uint8", &quantize_rows_uint8);
   m.impl("scale_rows", &scale_rows);
 }
