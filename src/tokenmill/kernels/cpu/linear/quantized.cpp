@@ -145,6 +145,16 @@ void w8a8_rows(const uint8_t* x, int64_t Kp, const int8_t* w, const float* xs, c
   }
 }
 
+// One row of x against weights read row after row (NR 1), each line's successor kStreamAhead bytes on prefetched
+// into L2, where stream_rows(): on AMD's AVX-512 cores (Zen 4) reading NR rows side by side, with the next rows'
+// lines prefetched into L1, streamed the weight at 0.5-0.75 of a plain read, and row after row at 0.9-0.97
+// (bench/README.md, 'Measurements behind the code'). Elsewhere (Intel's) the NR-row kernels keep the rows.
+constexpr int64_t kStreamAhead = 16384;
+bool stream_rows() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
 // ---- bf16 activations at batch <= KERNEL_MAX_ROWS: int8 dot products (VNNI) over two int8 limbs ----
 //
 // Converting every weight to float costs more instructions per byte than one core can stream from
@@ -189,9 +199,12 @@ float split_row(const uint16_t* x, int64_t K, int64_t Kp, bool offset, Dest dest
 
 // int8 weights [N, K] (s8) against limbs stored u8 (+128) [MR][Kp]; the +128 comes off as 128 * wsum.
 // NR output rows at a time, so 2 * MR * NR dot-product chains are in flight.
-template <int MR, int NR>
+// STREAM (NR 1, stream_rows()): the weight is read as the one run it is, a line kStreamAhead bytes ahead
+// prefetched into L2 with each line read, in place of the next rows' lines at the same k.
+template <int MR, int NR, bool STREAM = false>
 void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const float* xs, const int8_t* w,
                     const float* scale, const int32_t* wsum, int64_t K, int64_t n, float* y, int64_t ldy) {
+  static_assert(!STREAM || NR == 1, "the stream kernel reads one weight row at a time");
   __m512i ah[MR][NR], al[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) ah[r][j] = _mm512_setzero_si512(), al[r][j] = _mm512_setzero_si512();
@@ -201,7 +214,10 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
     for (int j = 0; j < NR; ++j) {
       // the next NR rows, at the same k: rows of a few KiB end before the hardware prefetchers run ahead
       // (bench/README.md, 'Measurements behind the code')
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NR) * K + k), _MM_HINT_T0);
+      if (STREAM)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k + kStreamAhead), _MM_HINT_T1);
+      else
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NR) * K + k), _MM_HINT_T0);
       wv[j] = _mm512_maskz_loadu_epi8(m, w + (n + j) * K + k);
     }
     for (int r = 0; r < MR; ++r) {
@@ -225,10 +241,11 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
 // the high ones. Zero points (zero non-null): xg [MR][G], each row's per-group sums of 256 h + l, come off
 // in fp32 per group. Symmetric (zero null): xz [MR][G][16], the int32 lanes of -8 * (256 h + l) summed as
 // dpbusd sums them (symmetric_lanes), start each group's l sums, so the 8 comes off in the integer sums.
-template <int MR, int NR, bool ZP>
+template <int MR, int NR, bool ZP, bool STREAM = false>
 void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* xs, const float* xg,
                     const int32_t* xz, const uint8_t* w, const float* scale, const float* zero, int64_t group,
                     int64_t n, float* y, int64_t ldy) {
+  static_assert(!STREAM || NR == 1, "the stream kernel reads one weight row at a time");
   const int64_t G = K / group, chunks = group / 128;
   const __m512i nib = _mm512_set1_epi8(0x0F);
 #ifdef __GFNI__
@@ -255,8 +272,11 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
       }
       // one weight row's nibbles at a time, so few registers hold them
       for (int j = 0; j < NR; ++j) {
-        const uint8_t* wj = w + (n + j) * (K / 2) + c * 64;  // prefetched NR rows ahead, as int8_limb_rows
-        _mm_prefetch(reinterpret_cast<const char*>(wj + NR * (K / 2)), _MM_HINT_T0);
+        const uint8_t* wj = w + (n + j) * (K / 2) + c * 64;  // prefetched as int8_limb_rows prefetches
+        if (STREAM)
+          _mm_prefetch(reinterpret_cast<const char*>(wj + kStreamAhead), _MM_HINT_T1);
+        else
+          _mm_prefetch(reinterpret_cast<const char*>(wj + NR * (K / 2)), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(wj);
         const __m512i lo = _mm512_and_si512(v, nib);
 #ifdef __GFNI__
@@ -581,7 +601,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   n_blocks<MR, NR>(                                                                                   \
       n0, n1, [&](int64_t n) { int8_limb_rows<MR, 1>(h, l, Kp, s, wp, sp, ws, K, n, ym, N); },          \
       [&](int64_t n) { int8_limb_rows<MR, NR>(h, l, Kp, s, wp, sp, ws, K, n, ym, N); })
-      TM_ROW_TILES(mr, TM_INT8)
+      if (mr == 1 && stream_rows()) {
+        for (int64_t n = n0; n < n1; ++n) int8_limb_rows<1, 1, true>(h, l, Kp, s, wp, sp, ws, K, n, ym, N);
+      } else {
+        TM_ROW_TILES(mr, TM_INT8)
+      }
 #undef TM_INT8
     });
     return store_rows(y, M, N, bias, x);
@@ -647,7 +671,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       [&](int64_t n) { int4_limb_rows<MR, NR, ZP>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N); })
 #define TM_INT4(MR, NR)                                                                               \
   if (zp) TM_INT4_ZP(MR, NR, true); else TM_INT4_ZP(MR, NR, false)
-      TM_ROW_TILES(mr, TM_INT4)
+      if (mr == 1 && stream_rows()) {
+        for (int64_t n = n0; n < n1; ++n) {
+          if (zp) int4_limb_rows<1, 1, true, true>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N);
+          else int4_limb_rows<1, 1, false, true>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N);
+        }
+      } else {
+        TM_ROW_TILES(mr, TM_INT4)
+      }
 #undef TM_INT4
 #undef TM_INT4_ZP
     });
