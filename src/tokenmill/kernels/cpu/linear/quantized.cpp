@@ -145,10 +145,13 @@ void w8a8_rows(const uint8_t* x, int64_t Kp, const int8_t* w, const float* xs, c
   }
 }
 
-// One row of x against weights read row after row (NR 1), each line's successor kStreamAhead bytes on prefetched
-// into L2, where stream_rows(): on AMD's AVX-512 cores (Zen 4) reading NR rows side by side, with the next rows'
-// lines prefetched into L1, streamed the weight at 0.5-0.75 of a plain read, and row after row at 0.9-0.97
-// (bench/README.md, 'Measurements behind the code'). Elsewhere (Intel's) the NR-row kernels keep the rows.
+// One row of x against weights read row after row (NR 1), as the one run of memory they are, where
+// stream_rows(): on AMD's AVX-512 cores (Zen 4) reading NR rows side by side, with the next rows' lines
+// prefetched into L1, streamed the weight at 0.5-0.75 of a plain read, and row after row at about a plain read's
+// rate (bench/README.md, 'Measurements behind the code'). int8 leaves the stream to the hardware prefetcher;
+// int4, with twice the instructions per byte, prefetches the line kStreamAhead bytes on into L2 with each line it
+// reads (without it the 1.1B's int4 step took 1.2x as long). Elsewhere (Intel's) the NR-row kernels keep the
+// rows they were measured with.
 constexpr int64_t kStreamAhead = 16384;
 bool stream_rows() {
   static const bool amd = __builtin_cpu_is("amd");
@@ -199,8 +202,8 @@ float split_row(const uint16_t* x, int64_t K, int64_t Kp, bool offset, Dest dest
 
 // int8 weights [N, K] (s8) against limbs stored u8 (+128) [MR][Kp]; the +128 comes off as 128 * wsum.
 // NR output rows at a time, so 2 * MR * NR dot-product chains are in flight.
-// STREAM (NR 1, stream_rows()): the weight is read as the one run it is, a line kStreamAhead bytes ahead
-// prefetched into L2 with each line read, in place of the next rows' lines at the same k.
+// STREAM (NR 1, stream_rows()): the weight is read as the one run it is, left to the hardware prefetcher, in
+// place of prefetching the next rows' lines at the same k (int4_limb_rows prefetches kStreamAhead on).
 template <int MR, int NR, bool STREAM = false>
 void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const float* xs, const int8_t* w,
                     const float* scale, const int32_t* wsum, int64_t K, int64_t n, float* y, int64_t ldy) {
@@ -214,10 +217,7 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
     for (int j = 0; j < NR; ++j) {
       // the next NR rows, at the same k: rows of a few KiB end before the hardware prefetchers run ahead
       // (bench/README.md, 'Measurements behind the code')
-      if (STREAM)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k + kStreamAhead), _MM_HINT_T1);
-      else
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NR) * K + k), _MM_HINT_T0);
+      if (!STREAM) _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NR) * K + k), _MM_HINT_T0);
       wv[j] = _mm512_maskz_loadu_epi8(m, w + (n + j) * K + k);
     }
     for (int r = 0; r < MR; ++r) {
@@ -272,7 +272,7 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
       }
       // one weight row's nibbles at a time, so few registers hold them
       for (int j = 0; j < NR; ++j) {
-        const uint8_t* wj = w + (n + j) * (K / 2) + c * 64;  // prefetched as int8_limb_rows prefetches
+        const uint8_t* wj = w + (n + j) * (K / 2) + c * 64;  // prefetched NR rows ahead, as int8_limb_rows
         if (STREAM)
           _mm_prefetch(reinterpret_cast<const char*>(wj + kStreamAhead), _MM_HINT_T1);
         else
