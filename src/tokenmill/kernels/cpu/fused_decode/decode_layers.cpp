@@ -142,7 +142,7 @@ at::Tensor w8a8_onednn(const Ops& op, const at::Tensor& x, const at::Tensor& sca
       c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
   const auto [xq, xs] = op.quantize_rows_uint8.call(x.contiguous());
   const at::Tensor dots = in_onednn_rows(xq, [&](const at::Tensor& rows) {
-    torch::jit::Stack stack{rows, 1.0, int64_t{128}, packed, scales, zeros, c10::IValue(), 1.0, int64_t{0},
+    torch::jit::Stack stack{rows, 1.0, tokenmill::kRowZeroPoint, packed, scales, zeros, c10::IValue(), 1.0, int64_t{0},
                             at::ScalarType::Float, c10::string_view("none"),
                             c10::List<c10::optional<c10::Scalar>>(), c10::string_view("")};
     qlinear.callBoxed(&stack);

@@ -34,6 +34,10 @@ void paged_decode_f32(const float* q, int64_t q_seq_stride, int64_t q_head_strid
                       const int32_t* tables, const int32_t* lens, float* out, int64_t t, int64_t hq, int64_t hk,
                       int64_t dim, int64_t bs, int64_t max_blocks, float scale, int64_t window);
 
+// The offset quantized.cpp's W8A8 rows are stored with (q + 128, uint8): VNNI's u8 x s8 products take them so,
+// and it is the source zero point of oneDNN's int8 matmul over quantize_rows_uint8's rows
+constexpr int64_t kRowZeroPoint = 128;
+
 // bytes of a [N, K] bf16 weight packed by oneDNN as AB16b64a2b (N padded to 64, K to 32)
 int64_t packed_gemv_bytes(int64_t N, int64_t K);
 

@@ -713,22 +713,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 #ifdef TM_QUANT_AVX512
-// each row of x as unsigned int8 (q + 128) [M, Kp] and its scale [M]; the reference rounds the same way
+// One row of n values, 16 at a time as load(k) gives them (zero past the row), as unsigned int8 (q +
+// kRowZeroPoint) in q[0, n); returns its scale. ref.quantize_rows rounds the same way: amax / 127, half to even.
+template <typename Load>
+float quantize_row(Load load, int64_t n, uint8_t* q) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load(k)));
+  const float s = std::max(_mm512_reduce_max_ps(amax), 1e-10f) / 127.0f;
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i off = _mm512_set1_epi32(static_cast<int>(tokenmill::kRowZeroPoint));
+  for (int64_t k = 0; k < n; k += 16) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(load(k), sv));  // round half to even
+    v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
+    _mm_mask_storeu_epi8(q + k, tokenmill::first_lanes(n - k), _mm512_cvtepi32_epi8(v));
+  }
+  return s;
+}
+
+// each row of x (fp32 [M, Kp], Kp a multiple of 16) as unsigned int8 (q + 128) [M, Kp] and its scale [M]
 void quantize_rows(const float* x, int64_t M, int64_t Kp, uint8_t* q, float* xs) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xm = x + m * Kp;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < Kp; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xm + k)));
-      const float s = std::max(_mm512_reduce_max_ps(amax), 1e-10f) / 127.0f;
-      xs[m] = s;
-      const __m512 sv = _mm512_set1_ps(s);
-      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
-      for (int64_t k = 0; k < Kp; k += 16) {
-        __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xm + k), sv));  // round half to even
-        v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * Kp + k), _mm512_cvtepi32_epi8(v));
-      }
+      xs[m] = quantize_row([&](int64_t k) { return _mm512_loadu_ps(xm + k); }, Kp, q + m * Kp);
     }
   });
 }
@@ -783,23 +791,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x) {
     for (int64_t m = m0; m < m1; ++m) {
       auto load = [&](int64_t k) {
         if (bf16) return load_bf16(reinterpret_cast<const uint16_t*>(xp) + m * K, k, K);
-        const int64_t left = K - k;
-        const __mmask16 mk = tokenmill::first_lanes(left);
-        return _mm512_maskz_loadu_ps(mk, reinterpret_cast<const float*>(xp) + m * K + k);
+        return _mm512_maskz_loadu_ps(tokenmill::first_lanes(K - k), reinterpret_cast<const float*>(xp) + m * K + k);
       };
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load(k)));
-      const float s = std::max(_mm512_reduce_max_ps(amax), 1e-10f) / 127.0f;
-      sp[m] = s;
-      const __m512 sv = _mm512_set1_ps(s);
-      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), zero = _mm512_set1_epi32(128);
-      for (int64_t k = 0; k < K; k += 16) {
-        const __m512i v = _mm512_add_epi32(
-            _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(load(k), sv)), lo), hi), zero);
-        const int64_t left = K - k;
-        const __mmask16 mk = tokenmill::first_lanes(left);
-        _mm_mask_storeu_epi8(qp + m * K + k, mk, _mm512_cvtepi32_epi8(v));
-      }
+      sp[m] = quantize_row(load, K, qp + m * K);
     }
   });
   return {q, scale};
