@@ -202,12 +202,9 @@ float split_row(const uint16_t* x, int64_t K, int64_t Kp, bool offset, Dest dest
 
 // int8 weights [N, K] (s8) against limbs stored u8 (+128) [MR][Kp]; the +128 comes off as 128 * wsum.
 // NR output rows at a time, so 2 * MR * NR dot-product chains are in flight.
-// STREAM (NR 1, stream_rows()): the weight is read as the one run it is, left to the hardware prefetcher, in
-// place of prefetching the next rows' lines at the same k (int4_limb_rows prefetches kStreamAhead on).
-template <int MR, int NR, bool STREAM = false>
+template <int MR, int NR>
 void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const float* xs, const int8_t* w,
                     const float* scale, const int32_t* wsum, int64_t K, int64_t n, float* y, int64_t ldy) {
-  static_assert(!STREAM || NR == 1, "the stream kernel reads one weight row at a time");
   __m512i ah[MR][NR], al[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) ah[r][j] = _mm512_setzero_si512(), al[r][j] = _mm512_setzero_si512();
@@ -217,7 +214,7 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
     for (int j = 0; j < NR; ++j) {
       // the next NR rows, at the same k: rows of a few KiB end before the hardware prefetchers run ahead
       // (bench/README.md, 'Measurements behind the code')
-      if (!STREAM) _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NR) * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NR) * K + k), _MM_HINT_T0);
       wv[j] = _mm512_maskz_loadu_epi8(m, w + (n + j) * K + k);
     }
     for (int r = 0; r < MR; ++r) {
@@ -234,6 +231,40 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
       const double dh = _mm512_reduce_add_epi32(ah[r][j]) - c, dl = _mm512_reduce_add_epi32(al[r][j]) - c;
       y[r * ldy + n + j] = static_cast<float>((256.0 * dh + dl) * (static_cast<double>(xs[r]) * scale[n + j]));
     }
+}
+
+// One row of x against weight rows n0..n1 read one after another (stream_rows()), the sums int8_limb_rows<1, 1>
+// makes: the weight as the one run of memory it is, left to the hardware prefetcher, kSteps * 64 bytes a step
+// into kSteps dot-product chains per limb. With one chain per limb and 64 bytes a step (int8_limb_rows), a 1.1B
+// model's int8 projections took 1.08-1.13x as long (bench/README.md, 'Measurements behind the code'). The
+// chains' integer sums are the same in any order, so the outputs are too.
+void int8_stream_rows(const uint8_t* xh, const uint8_t* xl, const float* xs, const int8_t* w, const float* scale,
+                      const int32_t* wsum, int64_t K, int64_t n0, int64_t n1, float* y) {
+  constexpr int kSteps = 4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * K;
+    __m512i ah[kSteps], al[kSteps];
+    for (int u = 0; u < kSteps; ++u) ah[u] = _mm512_setzero_si512(), al[u] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 64 * kSteps <= K; k += 64 * kSteps) {
+      __m512i wv[kSteps];
+      for (int u = 0; u < kSteps; ++u) wv[u] = _mm512_loadu_si512(wn + k + 64 * u);
+      for (int u = 0; u < kSteps; ++u) {
+        ah[u] = _mm512_dpbusd_epi32(ah[u], _mm512_loadu_si512(xh + k + 64 * u), wv[u]);
+        al[u] = _mm512_dpbusd_epi32(al[u], _mm512_loadu_si512(xl + k + 64 * u), wv[u]);
+      }
+    }
+    for (; k < K; k += 64) {
+      const __mmask64 m = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
+      const __m512i wv = _mm512_maskz_loadu_epi8(m, wn + k);
+      ah[0] = _mm512_dpbusd_epi32(ah[0], _mm512_loadu_si512(xh + k), wv);
+      al[0] = _mm512_dpbusd_epi32(al[0], _mm512_loadu_si512(xl + k), wv);
+    }
+    for (int u = 1; u < kSteps; ++u) ah[0] = _mm512_add_epi32(ah[0], ah[u]), al[0] = _mm512_add_epi32(al[0], al[u]);
+    const int32_t c = 128 * wsum[n];
+    const double dh = _mm512_reduce_add_epi32(ah[0]) - c, dl = _mm512_reduce_add_epi32(al[0]) - c;
+    y[n] = static_cast<float>((256.0 * dh + dl) * (static_cast<double>(xs[0]) * scale[n]));
+  }
 }
 
 // int4 weights (the packed layout, K a multiple of 128 and of nothing smaller than the group's 128)
@@ -301,6 +332,49 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = (_mm512_reduce_add_ps(f[r][j]) - corr[r][j]) * xs[r];
+}
+
+// One row of x against int4 weight rows n0..n1 in groups of 128 (one chunk each) read one after another
+// (stream_rows()), the sums int4_limb_rows<1, 1, ZP, true> makes, with each group's chunk taken straight in the row
+// loop: the general kernel's inner loop over a group's chunks, run once a group at 128, made a 1.1B model's
+// projections take 1.03-1.12x as long (bench/README.md, 'Measurements behind the code'). Each line's read brings
+// the line kStreamAhead bytes on into L2, as in int4_limb_rows.
+template <bool ZP>
+void int4_stream_rows_g128(const int8_t* xh, const int8_t* xl, int64_t K, const float* xs, const float* xg,
+                           const int32_t* xz, const uint8_t* w, const float* scale, const float* zero, int64_t n0,
+                           int64_t n1, float* y) {
+  const int64_t G = K / 128;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+#ifdef __GFNI__
+  const __m512i high_nibble = _mm512_set1_epi64(0x1020408000000000LL);  // as in int4_limb_rows
+#endif
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wn = w + n * (K / 2);
+    const float* sn = scale + n * G;
+    __m512 f = _mm512_setzero_ps();
+    float corr = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = wn + g * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(wg + kStreamAhead), _MM_HINT_T1);
+      const __m512i v = _mm512_loadu_si512(wg);
+      const __m512i lo = _mm512_and_si512(v, nib);
+#ifdef __GFNI__
+      const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
+#else
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#endif
+      const int8_t *ph = xh + g * 128, *pl = xl + g * 128;
+      const __m512i start = ZP ? _mm512_setzero_si512() : _mm512_loadu_si512(xz + g * 16);
+      const __m512i ah = _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(ph)), hi, _mm512_loadu_si512(ph + 64));
+      const __m512i al =
+          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(pl)), hi, _mm512_loadu_si512(pl + 64));
+      const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(ah, 8), al);
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sn[g]), f);
+      if (ZP) corr += sn[g] * zero[n * G + g] * xg[g];
+    }
+    y[n] = (_mm512_reduce_add_ps(f) - corr) * xs[0];
+  }
 }
 
 // xz for int4_limb_rows' symmetric case: per row and group, the 16 int32 lanes of -8 * (256 h + l) summed over
@@ -510,15 +584,25 @@ void over_tiles(int64_t M, int64_t N, Fn fn) {
 #ifdef TM_QUANT_AVX512
 // x's rows as limbs for the *_limb_rows kernels: xh, xl [M, Kp] (dest: byte offset of k's 16 limbs),
 // xs [M], and with group > 0 the per-group sums xg [M, Kp / group]
+// h and l start on a cache line, as the kernels' 64-byte loads of them then each read one line
+struct alignas(64) LimbLine {
+  int8_t b[64];
+};
+struct LimbBuffer {
+  std::vector<LimbLine> lines;
+  int8_t* data() { return lines.data()->b; }
+  const int8_t* data() const { return lines.data()->b; }
+};
 struct Limbs {
-  std::vector<int8_t> h, l;
+  LimbBuffer h, l;
   std::vector<float> s, g;
 };
 
 template <typename Dest>
 Limbs split_rows(const at::Tensor& x, int64_t Kp, bool offset, Dest dest, int64_t group) {
   const int64_t M = x.size(0), K = x.size(1);
-  Limbs out{std::vector<int8_t>(M * Kp), std::vector<int8_t>(M * Kp), std::vector<float>(M),
+  const auto lines = static_cast<size_t>((M * Kp + 63) / 64);
+  Limbs out{{std::vector<LimbLine>(lines)}, {std::vector<LimbLine>(lines)}, std::vector<float>(M),
             std::vector<float>(group > 0 ? M * (Kp / group) : 0, 0.0f)};
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   for (int64_t m = 0; m < M; ++m) {
@@ -602,7 +686,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       n0, n1, [&](int64_t n) { int8_limb_rows<MR, 1>(h, l, Kp, s, wp, sp, ws, K, n, ym, N); },          \
       [&](int64_t n) { int8_limb_rows<MR, NR>(h, l, Kp, s, wp, sp, ws, K, n, ym, N); })
       if (mr == 1 && stream_rows()) {
-        for (int64_t n = n0; n < n1; ++n) int8_limb_rows<1, 1, true>(h, l, Kp, s, wp, sp, ws, K, n, ym, N);
+        int8_stream_rows(h, l, s, wp, sp, ws, K, n0, n1, ym);
       } else {
         TM_ROW_TILES(mr, TM_INT8)
       }
@@ -671,7 +755,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       [&](int64_t n) { int4_limb_rows<MR, NR, ZP>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N); })
 #define TM_INT4(MR, NR)                                                                               \
   if (zp) TM_INT4_ZP(MR, NR, true); else TM_INT4_ZP(MR, NR, false)
-      if (mr == 1 && stream_rows()) {
+      if (mr == 1 && stream_rows() && group == 128) {
+        if (zp) int4_stream_rows_g128<true>(h, l, K, s, g, z, wp, sp, zp, n0, n1, ym);
+        else int4_stream_rows_g128<false>(h, l, K, s, g, z, wp, sp, zp, n0, n1, ym);
+      } else if (mr == 1 && stream_rows()) {
         for (int64_t n = n0; n < n1; ++n) {
           if (zp) int4_limb_rows<1, 1, true, true>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N);
           else int4_limb_rows<1, 1, false, true>(h, l, K, s, g, z, wp, sp, zp, group, n, ym, N);
