@@ -334,47 +334,57 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
     for (int j = 0; j < NR; ++j) y[r * ldy + n + j] = (_mm512_reduce_add_ps(f[r][j]) - corr[r][j]) * xs[r];
 }
 
-// One row of x against int4 weight rows n0..n1 in groups of 128 (one chunk each) read one after another
-// (stream_rows()), the sums int4_limb_rows<1, 1, ZP, true> makes, with each group's chunk taken straight in the row
-// loop: the general kernel's inner loop over a group's chunks, run once a group at 128, made a 1.1B model's
-// projections take 1.03-1.12x as long (bench/README.md, 'Measurements behind the code'). Each line's read brings
-// the line kStreamAhead bytes on into L2, as in int4_limb_rows.
+// One row of x against int4 weight rows n0..n1 in groups of 128 (one chunk each) (stream_rows()), the sums
+// int4_limb_rows<1, 1, ZP, true> makes, each group's chunk taken straight in the row loop (the general kernel's
+// inner loop over a group's chunks, run once a group at 128, made a 1.1B model's projections take 1.03-1.12x as
+// long). Rows n and n + half go together: x's limbs are loaded once for two weight rows, and each half of the
+// weight is read as the one run of memory it is, two streams at once (the 1.1B model's int4 step took 1.06-1.15x
+// as long with one row after another; adjacent rows side by side read far slower: bench/README.md, 'Measurements
+// behind the code'). Each line's read brings the line kStreamAhead bytes on into L2, as in int4_limb_rows.
 template <bool ZP>
 void int4_stream_rows_g128(const int8_t* xh, const int8_t* xl, int64_t K, const float* xs, const float* xg,
                            const int32_t* xz, const uint8_t* w, const float* scale, const float* zero, int64_t n0,
                            int64_t n1, float* y) {
-  const int64_t G = K / 128;
+  const int64_t G = K / 128, half = (n1 - n0) / 2;
   const __m512i nib = _mm512_set1_epi8(0x0F);
 #ifdef __GFNI__
   const __m512i high_nibble = _mm512_set1_epi64(0x1020408000000000LL);  // as in int4_limb_rows
 #endif
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + n * (K / 2);
-    const float* sn = scale + n * G;
-    __m512 f = _mm512_setzero_ps();
-    float corr = 0.0f;
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = wn + g * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(wg + kStreamAhead), _MM_HINT_T1);
-      const __m512i v = _mm512_loadu_si512(wg);
-      const __m512i lo = _mm512_and_si512(v, nib);
+  // row n's group g against the limbs h0 h1 l0 l1 (and the symmetric start), into f (and its zero points' corr)
+  auto group = [&](int64_t n, int64_t g, __m512i h0, __m512i h1, __m512i l0, __m512i l1, __m512i start, __m512& f,
+                   float& corr) {
+    const uint8_t* wg = w + n * (K / 2) + g * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kStreamAhead), _MM_HINT_T1);
+    const __m512i v = _mm512_loadu_si512(wg);
+    const __m512i lo = _mm512_and_si512(v, nib);
 #ifdef __GFNI__
-      const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
+    const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
 #else
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 #endif
+    const __m512i ah = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, h0), hi, h1);
+    const __m512i al = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, l0), hi, l1);
+    const float s = scale[n * G + g];
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al)), _mm512_set1_ps(s), f);
+    if (ZP) corr += s * zero[n * G + g] * xg[g];
+  };
+  // rows a and b (b < 0: a alone)
+  auto rows = [&](int64_t a, int64_t b) {
+    __m512 fa = _mm512_setzero_ps(), fb = _mm512_setzero_ps();
+    float ca = 0.0f, cb = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
       const int8_t *ph = xh + g * 128, *pl = xl + g * 128;
+      const __m512i h0 = _mm512_loadu_si512(ph), h1 = _mm512_loadu_si512(ph + 64);
+      const __m512i l0 = _mm512_loadu_si512(pl), l1 = _mm512_loadu_si512(pl + 64);
       const __m512i start = ZP ? _mm512_setzero_si512() : _mm512_loadu_si512(xz + g * 16);
-      const __m512i ah = _mm512_dpbusd_epi32(
-          _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(ph)), hi, _mm512_loadu_si512(ph + 64));
-      const __m512i al =
-          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(pl)), hi, _mm512_loadu_si512(pl + 64));
-      const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(ah, 8), al);
-      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sn[g]), f);
-      if (ZP) corr += sn[g] * zero[n * G + g] * xg[g];
+      group(a, g, h0, h1, l0, l1, start, fa, ca);
+      if (b >= 0) group(b, g, h0, h1, l0, l1, start, fb, cb);
     }
-    y[n] = (_mm512_reduce_add_ps(f) - corr) * xs[0];
-  }
+    y[a] = (_mm512_reduce_add_ps(fa) - ca) * xs[0];
+    if (b >= 0) y[b] = (_mm512_reduce_add_ps(fb) - cb) * xs[0];
+  };
+  for (int64_t i = 0; i < half; ++i) rows(n0 + i, n0 + half + i);
+  if ((n1 - n0) % 2) rows(n1 - 1, -1);
 }
 
 // xz for int4_limb_rows' symmetric case: per row and group, the 16 int32 lanes of -8 * (256 h + l) summed over
