@@ -233,38 +233,42 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
     }
 }
 
-// One row of x against weight rows n0..n1 read one after another (stream_rows()), the sums int8_limb_rows<1, 1>
-// makes: the weight as the one run of memory it is, left to the hardware prefetcher, kSteps * 64 bytes a step
-// into kSteps dot-product chains per limb. With one chain per limb and 64 bytes a step (int8_limb_rows), a 1.1B
-// model's int8 projections took 1.08-1.13x as long (bench/README.md, 'Measurements behind the code'). The
-// chains' integer sums are the same in any order, so the outputs are too.
+// One row of x against int8 weight rows n0..n1 (stream_rows()), the sums int8_limb_rows<1, 1> makes, with rows a
+// and a + half taken together: each half of the weight is read as the one run of memory it is, two streams at
+// once left to the hardware prefetcher, and x's limbs are loaded once for two weight rows. A 1.1B model's int8
+// projections took 1.08-1.13x as long with one row after another in one chain per limb, and 1.02-1.08x as long
+// with four chains per limb (bench/README.md, 'Measurements behind the code'). The sums are the same integers in
+// any order, so the outputs are too.
 void int8_stream_rows(const uint8_t* xh, const uint8_t* xl, const float* xs, const int8_t* w, const float* scale,
                       const int32_t* wsum, int64_t K, int64_t n0, int64_t n1, float* y) {
-  constexpr int kSteps = 4;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wn = w + n * K;
-    __m512i ah[kSteps], al[kSteps];
-    for (int u = 0; u < kSteps; ++u) ah[u] = _mm512_setzero_si512(), al[u] = _mm512_setzero_si512();
-    int64_t k = 0;
-    for (; k + 64 * kSteps <= K; k += 64 * kSteps) {
-      __m512i wv[kSteps];
-      for (int u = 0; u < kSteps; ++u) wv[u] = _mm512_loadu_si512(wn + k + 64 * u);
-      for (int u = 0; u < kSteps; ++u) {
-        ah[u] = _mm512_dpbusd_epi32(ah[u], _mm512_loadu_si512(xh + k + 64 * u), wv[u]);
-        al[u] = _mm512_dpbusd_epi32(al[u], _mm512_loadu_si512(xl + k + 64 * u), wv[u]);
+  const int64_t half = (n1 - n0) / 2;
+  // rows a and b (b < 0: a alone)
+  auto rows = [&](int64_t a, int64_t b) {
+    const int8_t *wa = w + a * K, *wb = w + (b >= 0 ? b : a) * K;
+    __m512i ah = _mm512_setzero_si512(), al = ah, bh = ah, bl = ah;
+    // 64 k at a time, the last (K's remainder) masked
+    auto step = [&](int64_t k, __mmask64 m) {
+      const __m512i h = _mm512_loadu_si512(xh + k), l = _mm512_loadu_si512(xl + k);
+      const __m512i va = _mm512_maskz_loadu_epi8(m, wa + k);
+      ah = _mm512_dpbusd_epi32(ah, h, va), al = _mm512_dpbusd_epi32(al, l, va);
+      if (b >= 0) {
+        const __m512i vb = _mm512_maskz_loadu_epi8(m, wb + k);
+        bh = _mm512_dpbusd_epi32(bh, h, vb), bl = _mm512_dpbusd_epi32(bl, l, vb);
       }
-    }
-    for (; k < K; k += 64) {
-      const __mmask64 m = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
-      const __m512i wv = _mm512_maskz_loadu_epi8(m, wn + k);
-      ah[0] = _mm512_dpbusd_epi32(ah[0], _mm512_loadu_si512(xh + k), wv);
-      al[0] = _mm512_dpbusd_epi32(al[0], _mm512_loadu_si512(xl + k), wv);
-    }
-    for (int u = 1; u < kSteps; ++u) ah[0] = _mm512_add_epi32(ah[0], ah[u]), al[0] = _mm512_add_epi32(al[0], al[u]);
-    const int32_t c = 128 * wsum[n];
-    const double dh = _mm512_reduce_add_epi32(ah[0]) - c, dl = _mm512_reduce_add_epi32(al[0]) - c;
-    y[n] = static_cast<float>((256.0 * dh + dl) * (static_cast<double>(xs[0]) * scale[n]));
-  }
+    };
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) step(k, ~__mmask64{0});
+    if (k < K) step(k, (__mmask64{1} << (K - k)) - 1);
+    auto store = [&](int64_t n, __m512i sh, __m512i sl) {
+      const int32_t c = 128 * wsum[n];
+      const double dh = _mm512_reduce_add_epi32(sh) - c, dl = _mm512_reduce_add_epi32(sl) - c;
+      y[n] = static_cast<float>((256.0 * dh + dl) * (static_cast<double>(xs[0]) * scale[n]));
+    };
+    store(a, ah, al);
+    if (b >= 0) store(b, bh, bl);
+  };
+  for (int64_t i = 0; i < half; ++i) rows(n0 + i, n0 + half + i);
+  if ((n1 - n0) % 2) rows(n1 - 1, -1);
 }
 
 // int4 weights (the packed layout, K a multiple of 128 and of nothing smaller than the group's 128)
