@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -145,17 +146,24 @@ void w8a8_rows(const uint8_t* x, int64_t Kp, const int8_t* w, const float* xs, c
   }
 }
 
-// One row of x against weights read row after row (NR 1), as the one run of memory they are, where
-// stream_rows(): on AMD's AVX-512 cores (Zen 4) reading NR rows side by side, with the next rows' lines
-// prefetched into L1, streamed the weight at 0.5-0.75 of a plain read, and row after row at about a plain read's
-// rate (bench/README.md, 'Measurements behind the code'). int8 leaves the stream to the hardware prefetcher;
-// int4, with twice the instructions per byte, prefetches the line kStreamAhead bytes on into L2 with each line it
-// reads (without it the 1.1B's int4 step took 1.2x as long). Elsewhere (Intel's) the NR-row kernels keep the
-// rows they were measured with.
+// One row of x against weights read as runs of memory, where stream_rows(): on AMD's AVX-512 cores (Zen 4)
+// reading NR adjacent rows side by side, with the next rows' lines prefetched into L1, streamed the weight at
+// 0.5-0.75 of a plain read, and one row after another at about a plain read's rate (bench/README.md, 'Measurements
+// behind the code'); int8_stream_rows and int4_stream_rows_g128 read the weight's two halves, each row after row,
+// at once. int8 leaves the streams to the hardware prefetcher; int4, with twice the instructions per byte,
+// prefetches the line kStreamAhead bytes on into L2 with each line it reads (without it the 1.1B's int4 step took
+// 1.2x as long). Elsewhere (Intel's) the NR-row kernels keep the
+// rows they were measured with. TOKENMILL_QUANT_ROWS=stream or =blocks, read once, takes one form on any CPU
+// (both give the same outputs; the tests run each).
 constexpr int64_t kStreamAhead = 16384;
 bool stream_rows() {
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
+  static const bool stream = [] {
+    const char* order = std::getenv("TOKENMILL_QUANT_ROWS");
+    if (order != nullptr && std::strcmp(order, "stream") == 0) return true;
+    if (order != nullptr && std::strcmp(order, "blocks") == 0) return false;
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return stream;
 }
 
 // ---- bf16 activations at batch <= KERNEL_MAX_ROWS: int8 dot products (VNNI) over two int8 limbs ----
