@@ -279,6 +279,18 @@ void int8_stream_rows(const uint8_t* xh, const uint8_t* xl, const float* xs, con
   if ((n1 - n0) % 2) rows(n1 - 1, -1);
 }
 
+// the 64 bytes at p as their low nibbles and their high ones, each in its byte's low 4 bits
+inline void nibbles(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_loadu_si512(p), nib = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, nib);
+#ifdef __GFNI__
+  // GF(2) bit matrix moving each byte's bits 4-7 to bits 0-3 (result bit i = parity(row 7 - i & byte))
+  hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#endif
+}
+
 // int4 weights (the packed layout, K a multiple of 128 and of nothing smaller than the group's 128)
 // against limbs s8 in the packed order: per 128 k, 64 bytes matching the low nibbles, then 64 matching
 // the high ones. Zero points (zero non-null): xg [MR][G], each row's per-group sums of 256 h + l, come off
@@ -290,11 +302,6 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
                     int64_t n, float* y, int64_t ldy) {
   static_assert(!STREAM || NR == 1, "the stream kernel reads one weight row at a time");
   const int64_t G = K / group, chunks = group / 128;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-#ifdef __GFNI__
-  // GF(2) bit matrix moving each byte's bits 4-7 to bits 0-3 (result bit i = parity(row 7 - i & byte))
-  const __m512i high_nibble = _mm512_set1_epi64(0x1020408000000000LL);
-#endif
   __m512 f[MR][NR];
   float corr[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -320,13 +327,8 @@ void int4_limb_rows(const int8_t* xh, const int8_t* xl, int64_t K, const float* 
           _mm_prefetch(reinterpret_cast<const char*>(wj + kStreamAhead), _MM_HINT_T1);
         else
           _mm_prefetch(reinterpret_cast<const char*>(wj + NR * (K / 2)), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(wj);
-        const __m512i lo = _mm512_and_si512(v, nib);
-#ifdef __GFNI__
-        const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
-#else
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-#endif
+        __m512i lo, hi;
+        nibbles(wj, lo, hi);
         for (int r = 0; r < MR; ++r) {
           ah[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ah[r][j], lo, h0[r]), hi, h1[r]);
           al[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(al[r][j], lo, l0[r]), hi, l1[r]);
@@ -358,22 +360,13 @@ void int4_stream_rows_g128(const int8_t* xh, const int8_t* xl, int64_t K, const 
                            const int32_t* xz, const uint8_t* w, const float* scale, const float* zero, int64_t n0,
                            int64_t n1, float* y) {
   const int64_t G = K / 128, half = (n1 - n0) / 2;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-#ifdef __GFNI__
-  const __m512i high_nibble = _mm512_set1_epi64(0x1020408000000000LL);  // as in int4_limb_rows
-#endif
   // row n's group g against the limbs h0 h1 l0 l1 (and the symmetric start), into f (and its zero points' corr)
   auto group = [&](int64_t n, int64_t g, __m512i h0, __m512i h1, __m512i l0, __m512i l1, __m512i start, __m512& f,
                    float& corr) {
     const uint8_t* wg = w + n * (K / 2) + g * 64;
     _mm_prefetch(reinterpret_cast<const char*>(wg + kStreamAhead), _MM_HINT_T1);
-    const __m512i v = _mm512_loadu_si512(wg);
-    const __m512i lo = _mm512_and_si512(v, nib);
-#ifdef __GFNI__
-    const __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, high_nibble, 0);
-#else
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-#endif
+    __m512i lo, hi;
+    nibbles(wg, lo, hi);
     const __m512i ah = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, h0), hi, h1);
     const __m512i al = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, l0), hi, l1);
     const float s = scale[n * G + g];
