@@ -152,9 +152,9 @@ void w8a8_rows(const uint8_t* x, int64_t Kp, const int8_t* w, const float* xs, c
 // behind the code'); int8_stream_rows and int4_stream_rows_g128 read the weight's two halves, each row after row,
 // at once. int8 leaves the streams to the hardware prefetcher; int4, with twice the instructions per byte,
 // prefetches the line kStreamAhead bytes on into L2 with each line it reads (without it the 1.1B's int4 step took
-// 1.2x as long). Elsewhere (Intel's) the NR-row kernels keep the
-// rows they were measured with. TOKENMILL_QUANT_ROWS=stream or =blocks, read once, takes one form on any CPU
-// (both give the same outputs; the tests run each).
+// 1.2x as long). Elsewhere (Intel's) the NR-row kernels keep the rows they were measured with.
+// TOKENMILL_QUANT_ROWS=stream or =blocks, read once, takes one form on any CPU (both give the same outputs; the
+// tests run each).
 constexpr int64_t kStreamAhead = 16384;
 bool stream_rows() {
   static const bool stream = [] {
