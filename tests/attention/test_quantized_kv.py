@@ -4,6 +4,8 @@ the reference (torch_ref over the dequantized cache): mixed batches, odd head si
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -127,10 +129,16 @@ def test_cpu_backend_takes_the_cpp_path_for_a_quantized_cache(monkeypatch: pytes
 
 
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
-def test_cpu_backend_sends_long_quantized_chunks_through_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_backend_sends_long_quantized_chunks_past_the_row_kernel(monkeypatch: pytest.MonkeyPatch,
+                                                                     dtype: torch.dtype) -> None:
+    # a decode, a 70-row chunk and a 3-row one: the long chunk leaves the row-by-row kernel, for the C++ prefill
+    # kernel over its dequantized context (bf16, where that kernel is built and the step would not take SDPA for
+    # a bf16 cache) or for SDPA over it (float32, or elsewhere)
     meta, q, k_new, v_new, kc, vc, scales, k_deq, v_deq = quantized_step([1, 70, 3], [9, 70, 30], 4, 2, 32, 8, None,
-                                                                         torch.bfloat16, torch.int8)
+                                                                         dtype, torch.int8)
     sdpa_rows: list[int] = []
+    kernel_rows: list[int] = []
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
@@ -139,13 +147,48 @@ def test_cpu_backend_sends_long_quantized_chunks_through_sdpa(monkeypatch: pytes
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     fast = get_backend("cpu")
+    real_kernel = fast.ops.prefill_attention
+
+    def kernel_spy(query: torch.Tensor, *args: object) -> None:
+        kernel_rows.append(query.shape[0])
+        real_kernel(query, *args)
+
+    monkeypatch.setattr(fast, "ops", SimpleNamespace(**{name: getattr(fast.ops, name) for name in
+                                                        ("paged_attention_quant", "has_prefill_kernel")},
+                                                     prefill_attention=kernel_spy))
     fast.prepare(meta, torch.device("cpu"))
     got = fast.forward(q, k_new, v_new, kc, vc, meta, 0.2, scales)
-    assert sdpa_rows == [70]  # the 70-row chunk; the decode and the 3-row chunk stay in the kernel
+    takes_kernel = fast._dequantized_prefill(q, 70)
+    assert takes_kernel == (dtype == torch.bfloat16 and bool(load_cpu_kernels().has_prefill_kernel(32))
+                            and not fast.sdpa_prefill)
+    # the decode and the 3-row chunk stay in the row kernel
+    assert (kernel_rows, sdpa_rows) == (([70], []) if takes_kernel else ([], [70]))
     assert meta.extra["quant_rows"].tolist() == [0, 71, 72, 73]
     expected = get_backend("torch_ref").forward(q.float(), k_new.float(), v_new.float(), k_deq.view(kc.shape),
                                                  v_deq.view(vc.shape), meta, 0.2)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("hq,hk,dim,bs,window", [(8, 2, 64, 8, None), (4, 4, 128, 8, 40), (12, 2, 64, 16, None),
+                                                 (6, 2, 128, 8, 20), (4, 1, 32, 16, None)])
+def test_long_quantized_chunks_read_like_the_reference(qdtype: torch.dtype, hq: int, hk: int, dim: int, bs: int,
+                                                       window: int | None) -> None:
+    # long bf16 chunks (the C++ prefill kernel over the dequantized context where it runs): one with its whole
+    # context, one after 64 earlier positions, one whose context ends mid-block, beside a decode
+    query_lens, ctx_lens = [1, 70, 66, 65], [9, 70, 130, 65 + 2 * bs + 1]
+    meta, q, k_new, v_new, kc, vc, scales, k_deq, v_deq = quantized_step(query_lens, ctx_lens, hq, hk, dim, bs,
+                                                                         window, torch.bfloat16, qdtype)
+    scale = dim**-0.5
+    expected = get_backend("torch_ref").forward(q.float(), k_new.float(), v_new.float(), k_deq.view(kc.shape),
+                                                 v_deq.view(vc.shape), meta, scale)
+    fast = get_backend("cpu")
+    fast.prepare(meta, torch.device("cpu"))
+    got = fast.forward(q, k_new, v_new, kc, vc, meta, scale, scales)
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+    assert float((got.float() - expected).norm() / expected.norm()) < 6e-3
 
 
 def test_a_backend_without_quantized_support_is_refused() -> None:

@@ -223,7 +223,38 @@ class CpuBackend(SdpaBackend):
         qsl = meta.query_start_loc
         for b in chunks:
             s, e = qsl[b], qsl[b + 1]
-            out[s:e] = self._prefill(q[s:e], k_new[s:e], v_new[s:e], k_cache, v_cache, meta, b, scale, kv_scales)
+            if self._dequantized_prefill(q, meta.seq_lens[b]):
+                out[s:e] = self._prefill_dequantized(q[s:e], k_cache, v_cache, meta, b, scale, kv_scales)
+            else:
+                out[s:e] = self._prefill(q[s:e], k_new[s:e], v_new[s:e], k_cache, v_cache, meta, b, scale,
+                                         kv_scales)
+        return out
+
+    def _dequantized_prefill(self, q: torch.Tensor, ctx: int) -> bool:
+        """Whether a long chunk over a quantized cache takes the C++ prefill kernel over its dequantized context
+        (bf16, the kernel built for the head size) rather than SDPA: where the step would take SDPA for a bf16
+        cache too (`sdpa_prefill`, from SDPA_PREFILL_MIN_CONTEXT positions), SDPA."""
+        if not self._has_prefill_kernel(q):
+            return False
+        return not (self.sdpa_prefill and ctx >= SDPA_PREFILL_MIN_CONTEXT)
+
+    def _prefill_dequantized(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata, b: int, scale: float, kv_scales: KVScales) -> torch.Tensor:
+        """Chunk b's rows through the C++ prefill kernel, over its context dequantized to bf16 blocks of their
+        own (the values SDPA's path attends to), K/V laid out as a cache of one sequence."""
+        ctx, bs = meta.seq_lens[b], k_cache.shape[1]
+        table = meta.block_tables[b]
+        blocks = (ctx + bs - 1) // bs
+        shape = (blocks, bs, *k_cache.shape[2:])
+        k = torch.zeros(shape, dtype=q.dtype).view(blocks * bs, *k_cache.shape[2:])
+        v = torch.zeros(shape, dtype=q.dtype).view(blocks * bs, *k_cache.shape[2:])
+        k[:ctx] = gather_dequantized(k_cache, kv_scales.k, table, ctx, q.dtype)
+        v[:ctx] = gather_dequantized(v_cache, kv_scales.v, table, ctx, q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self.ops.prefill_attention(q, k.view(shape), v.view(shape), torch.arange(blocks, dtype=torch.int32)[None],
+                                   torch.tensor([0, q.shape[0]], dtype=torch.int32),
+                                   torch.tensor([ctx], dtype=torch.int32), scale, meta.sliding_window or 0, out,
+                                   self.prefill_amx)
         return out
 
     def _has_prefill_kernel(self, q: torch.Tensor) -> bool:
