@@ -14,7 +14,9 @@ A quantized cache (int8 / fp8 e4m3 with per-token-head scales, attention/kv_quan
 the context it gathers (decodes: one gather for all; prefill chunks: always from the cache, so that every
 path attends to the same quantized values); `CpuBackend` quantizes in C++ (`write_kv_quant_`) and runs
 the decodes and short prefill chunks' rows in one C++ call that reads the quantized cache in place
-(kernels/cpu/attention/paged_decode_quant.cpp), longer chunks through SDPA's path.
+(kernels/cpu/attention/paged_decode_quant.cpp); longer chunks of bf16 rows through the C++ prefill kernel over
+their context dequantized to bf16 (as a bf16 cache's chunks, where that kernel takes them), others through
+SDPA's path.
 
 Each layer attends with its own window (`AttentionMetadata.sliding_window`, set per layer); scores
 soft-capped by tanh (`AttentionMetadata.softcap`, Gemma 2), which neither SDPA nor the C++ kernels do,
@@ -134,8 +136,9 @@ class SdpaBackend:
 # the context from which SDPA's prefill outruns the C++ kernel's with AMX-BF16 (1.26-1.82x at 2,000
 # positions, even to 0.84x at 512; bench/README.md, 'Measurements behind the code')
 SDPA_PREFILL_MIN_CONTEXT = 1024
-# over a quantized cache, the prefill chunk length from which SDPA over the dequantized context takes the
-# chunk instead of the C++ kernel's one row at a time (bench/README.md, 'Measurements behind the code')
+# over a quantized cache, the prefill chunk length from which the chunk's dequantized context goes to the C++
+# prefill kernel or SDPA instead of the row kernel's one row at a time (bench/README.md, 'Measurements behind the
+# code': measured against SDPA)
 QUANT_SDPA_MIN_ROWS = 64
 
 
