@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import mmap
@@ -74,6 +75,27 @@ def test_background_populate_begins_after_the_first_step() -> None:
         pass
     pop.thread.join(timeout=30)
     assert _resident_fraction(t) == 1.0
+
+
+@linux_only
+def test_background_populate_stops_when_asked_and_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a thread held in a pause (as by a long step) ends at stop(), which the interpreter's exit calls: a daemon
+    # thread left running into finalization aborted the process
+    registered: list[object] = []
+    monkeypatch.setattr(atexit, "register", lambda fn: registered.append(fn))
+    monkeypatch.setattr(atexit, "unregister", lambda fn: registered.remove(fn))
+    t, pop = _pool((4, 2048, 16, 2, 8), block_dim=1, quiet_s=0.05)  # 8 MiB
+    assert pop.thread is not None
+    with pop.paused():
+        pop.start()
+        assert registered == [pop.stop]
+        time.sleep(0.2)
+        assert pop.thread.is_alive()
+        started = time.monotonic()
+        pop.stop()
+        assert not pop.thread.is_alive() and time.monotonic() - started < 1.0
+    assert registered == []  # the thread took its hook off as it ended
+    assert _resident_fraction(t) == 0.0  # stopped before any chunk
 
 
 def _resident_fraction(t: torch.Tensor) -> float:
