@@ -80,8 +80,8 @@ class BackgroundPopulate:
     index at `block_dim`. On a non-Linux OS or a kernel before 5.14 it does nothing.
 
     A thread still running when the interpreter exits is stopped and joined by an atexit hook
-    (`stop`): a daemon thread left running into finalization aborted the process ("terminate called
-    without an active exception", exit code 134) in 5 of 8 runs of a test file, none without it."""
+    (`stop`): a daemon thread left running into finalization can abort the process ("terminate called
+    without an active exception", exit code 134; bench/README.md, 'Measurements behind the code')."""
 
     def __init__(self, kv: torch.Tensor, block_dim: int, chunk_bytes: int = 2 << 20, quiet_s: float = 0.05) -> None:
         self._quiet_s = quiet_s
