@@ -241,6 +241,16 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
     }
 }
 
+// rows(a, b) over output rows n0..n1 as the stream kernels take them: a and a + half together, so that each half of
+// the weight is read as one run, two runs at once; an odd count's last row alone (b = -1). Inlined into each
+// kernel, so that the rows' loop keeps the kernel's values in registers.
+template <typename Rows>
+__attribute__((always_inline)) inline void row_pairs(int64_t n0, int64_t n1, Rows rows) {
+  const int64_t half = (n1 - n0) / 2;
+  for (int64_t i = 0; i < half; ++i) rows(n0 + i, n0 + half + i);
+  if ((n1 - n0) % 2) rows(n1 - 1, int64_t{-1});
+}
+
 // One row of x against int8 weight rows n0..n1 (stream_rows()), the sums int8_limb_rows<1, 1> makes, with rows a
 // and a + half taken together: each half of the weight is read as the one run of memory it is, two streams at
 // once left to the hardware prefetcher, and x's limbs are loaded once for two weight rows. A 1.1B model's int8
@@ -249,9 +259,7 @@ void int8_limb_rows(const uint8_t* xh, const uint8_t* xl, int64_t Kp, const floa
 // any order, so the outputs are too.
 void int8_stream_rows(const uint8_t* xh, const uint8_t* xl, const float* xs, const int8_t* w, const float* scale,
                       const int32_t* wsum, int64_t K, int64_t n0, int64_t n1, float* y) {
-  const int64_t half = (n1 - n0) / 2;
-  // rows a and b (b < 0: a alone)
-  auto rows = [&](int64_t a, int64_t b) {
+  row_pairs(n0, n1, [&](int64_t a, int64_t b) {
     const int8_t *wa = w + a * K, *wb = w + (b >= 0 ? b : a) * K;
     __m512i ah = _mm512_setzero_si512(), al = ah, bh = ah, bl = ah;
     // 64 k at a time, the last (K's remainder) masked
@@ -274,9 +282,7 @@ void int8_stream_rows(const uint8_t* xh, const uint8_t* xl, const float* xs, con
     };
     store(a, ah, al);
     if (b >= 0) store(b, bh, bl);
-  };
-  for (int64_t i = 0; i < half; ++i) rows(n0 + i, n0 + half + i);
-  if ((n1 - n0) % 2) rows(n1 - 1, -1);
+  });
 }
 
 // the 64 bytes at p as their low nibbles and their high ones, each in its byte's low 4 bits
@@ -359,7 +365,7 @@ template <bool ZP>
 void int4_stream_rows_g128(const int8_t* xh, const int8_t* xl, int64_t K, const float* xs, const float* xg,
                            const int32_t* xz, const uint8_t* w, const float* scale, const float* zero, int64_t n0,
                            int64_t n1, float* y) {
-  const int64_t G = K / 128, half = (n1 - n0) / 2;
+  const int64_t G = K / 128;
   // row n's group g against the limbs h0 h1 l0 l1 (and the symmetric start), into f (and its zero points' corr)
   auto group = [&](int64_t n, int64_t g, __m512i h0, __m512i h1, __m512i l0, __m512i l1, __m512i start, __m512& f,
                    float& corr) {
@@ -373,8 +379,7 @@ void int4_stream_rows_g128(const int8_t* xh, const int8_t* xl, int64_t K, const 
     f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al)), _mm512_set1_ps(s), f);
     if (ZP) corr += s * zero[n * G + g] * xg[g];
   };
-  // rows a and b (b < 0: a alone)
-  auto rows = [&](int64_t a, int64_t b) {
+  row_pairs(n0, n1, [&](int64_t a, int64_t b) {
     __m512 fa = _mm512_setzero_ps(), fb = _mm512_setzero_ps();
     float ca = 0.0f, cb = 0.0f;
     for (int64_t g = 0; g < G; ++g) {
@@ -387,9 +392,7 @@ void int4_stream_rows_g128(const int8_t* xh, const int8_t* xl, int64_t K, const 
     }
     y[a] = (_mm512_reduce_add_ps(fa) - ca) * xs[0];
     if (b >= 0) y[b] = (_mm512_reduce_add_ps(fb) - cb) * xs[0];
-  };
-  for (int64_t i = 0; i < half; ++i) rows(n0 + i, n0 + half + i);
-  if ((n1 - n0) % 2) rows(n1 - 1, -1);
+  });
 }
 
 // xz for int4_limb_rows' symmetric case: per row and group, the 16 int32 lanes of -8 * (256 h + l) summed over
