@@ -258,19 +258,22 @@ def test_onednn_runs_the_w8a8_product_with_a_kernel_of_its_own(capfd: pytest.Cap
 # One bf16 row of x against int8 and int4 weights (group 128 symmetric and with zero points, group 256), N odd and
 # even, K with a tail: each output of one process, which takes the weight rows in the order TOKENMILL_QUANT_ROWS
 # names (`stream`: the two halves read at once, AMD's default; `blocks`: rows side by side, Intel's)
-_ROW_ORDER_SCRIPT = """
+_ROW_ORDER_SHAPES = [(1, 256), (2, 384), (9, 384), (33, 512), (40, 200), (77, 1024)]  # (N, K)
+_ROW_ORDER_GROUPS = [(128, False), (128, True), (256, True)]  # (group, zero points)
+_ROW_ORDER_SCRIPT = f"""
 import sys, torch
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.layers.quantization import reference as ref
 ops = load_cpu_kernels()
 torch.set_num_threads(int(sys.argv[2]))
+SHAPES, GROUPS = {_ROW_ORDER_SHAPES!r}, {_ROW_ORDER_GROUPS!r}
 gen = torch.Generator().manual_seed(7)
 out = []
-for n, k in [(1, 256), (2, 384), (9, 384), (33, 512), (40, 200), (77, 1024)]:
+for n, k in SHAPES:
     w, x = torch.randn(n, k, generator=gen), torch.randn(1, k, generator=gen).bfloat16()
     q, scale = ref.rtn_int8(w)
     out.append(ops.int8_linear(x, q, scale, ref.weight_sum(q), None))
-    for group, zero_point in [(128, False), (128, True), (256, True)]:
+    for group, zero_point in GROUPS:
         if k % group == 0:
             q4, s4, z4 = ref.rtn_int4(w, group, zero_point)
             zeros = z4 if zero_point else z4.new_empty(0)
@@ -295,13 +298,13 @@ def test_one_row_kernels_give_the_same_outputs_in_either_row_order(tmp_path: Pat
     # and the stream kernels' outputs against the reference (the blocks' are checked above, shape by shape)
     gen = torch.Generator().manual_seed(7)
     i = 0
-    for n, k in [(1, 256), (2, 384), (9, 384), (33, 512), (40, 200), (77, 1024)]:
+    for n, k in _ROW_ORDER_SHAPES:
         w, x = torch.randn(n, k, generator=gen), torch.randn(1, k, generator=gen).bfloat16()
         q, scale = ref.rtn_int8(w)
         w8 = ref.dequantize_int8(q, scale)
         _close(first[i], ref.linear_ref(x, w8, None), torch.bfloat16, x.float().abs() @ w8.abs().T)
         i += 1
-        for group, zero_point in [(128, False), (128, True), (256, True)]:
+        for group, zero_point in _ROW_ORDER_GROUPS:
             if k % group == 0:
                 q4, s4, z4 = ref.rtn_int4(w, group, zero_point)
                 w4 = ref.dequantize_int4(ref.pack_int4(q4), s4, z4, k, group)
