@@ -214,9 +214,9 @@ def _gemv_vs_reference(out_features: int, in_features: int, shape: tuple[int, ..
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 24, 32, 33, 64, 301])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_reference(out_features: int, in_features: int, rows: int, bias: bool) -> None:
-    """1-4 rows take the GEMV's row loop, more take its tiles of 6 (full tiles and every tail size); where
-    AMX-BF16 is usable, 1-16 rows take one AMX tile of rows instead and 17-32 two. Every row count is given to
-    the kernel, whatever it takes by itself on this CPU."""
+    """1-4 rows take the GEMV's row loop, more take its tiles of 6 (full tiles, every tail size, and seven rows
+    left at the end as one tile: 7, 13, 301); where AMX-BF16 is usable, 1-16 rows take one AMX tile of rows
+    instead and 17-32 two. Every row count is given to the kernel, whatever it takes by itself on this CPU."""
     assert _gemv_vs_reference(out_features, in_features, (rows,), bias, max_rows=2**40) == 1
 
 

@@ -131,25 +131,28 @@ inline void tile(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t Kp, 
 }
 
 // Rows [m0, m1) of the block of 64 outputs at wb (outputs n0..), in tiles of kTileRows rows, each
-// reading the block from L2. The 2 * Kp lines at next (the block this thread takes on next, or null)
-// are prefetched one every 2^pf_shift k-pairs, over about the first half of the tiles,
-// so that they arrive while this block is worked on.
+// reading the block from L2; kTileRows + 1 rows left at the end are one tile (28 accumulators, x's pairs
+// broadcast from memory), not a full tile and a tile of one row that reads the whole block again. The 2 * Kp
+// lines at next (the block this thread takes on next, or null) are prefetched one every 2^pf_shift k-pairs, over
+// about the first half of the tiles, so that they arrive while this block is worked on.
 void gemm_rows(const uint16_t* wb, const uint16_t* x, int64_t ldx, int64_t Kp, int64_t m0, int64_t m1, int64_t N,
                const uint16_t* bias, uint16_t* y, int64_t n0, const char* next) {
   const int64_t pairs = Kp / 2, lines = 2 * Kp, tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
   int pf_shift = 0;
   while ((lines * 2 << pf_shift) <= tiles * pairs) ++pf_shift;
   int64_t prefetched = 0;  // lines of the next block asked for so far
-  for (int64_t m = m0; m < m1; m += kTileRows) {
+  for (int64_t m = m0, rows = 0; m < m1; m += rows) {
+    rows = m1 - m == kTileRows + 1 ? kTileRows + 1 : std::min(kTileRows, m1 - m);
     const char* pf = next != nullptr && prefetched < lines ? next + prefetched * 64 : nullptr;
     const uint16_t* xt = x + m * ldx;
     uint16_t* yt = y + m * N;
-    switch (std::min(kTileRows, m1 - m)) {
+    switch (rows) {
       case 1: tile<1>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
       case 2: tile<2>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
       case 3: tile<3>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
       case 4: tile<4>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
       case 5: tile<5>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
+      case kTileRows + 1: tile<kTileRows + 1>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
       default: tile<kTileRows>(wb, xt, ldx, Kp, N, bias, yt, n0, pf, pf_shift); break;
     }
     prefetched += pairs >> pf_shift;
