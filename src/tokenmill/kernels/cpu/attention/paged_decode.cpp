@@ -390,37 +390,49 @@ inline void heads_softmax(float* p, float scale, __mmask16 valid, float* m, __m5
 }
 
 // acc[h] = acc[h] * corr[h] + sum_j p[h][j] v[j] for NH heads over NC 32-column chunks from c0, in
-// registers across the tile's n V rows (v + j * row_len).
+// registers across the tile's n V rows (v + j * row_len). Two rows at a time: their columns interleaved in
+// pairs (vpunpck{l,h}wd), against each head's two probabilities rounded to bf16 (vdpbf16ps: the products of
+// the bf16 pairs summed in float32), as the prefill kernel rounds P. A chunk's accumulators keep its columns
+// in the order the unpacks leave them: acc[32c + 4L + i] is column 8L + i, acc[32c + 16 + 4L + i] column
+// 8L + 4 + i (store_heads puts them back in order).
 template <int64_t DIM, int NH, int NC>
 inline void tile_pv(float* acc, const float* p, const float* corr, const at::BFloat16* v, int64_t row_len,
                     int64_t n, int64_t c0, const at::BFloat16* pf, const at::BFloat16* far) {
-  __m512 ae[NH][NC], ao[NH][NC];
+  __m512 alo[NH][NC], ahi[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) {
       const __m512 f = _mm512_set1_ps(corr[h]);
-      ae[h][c] = _mm512_mul_ps(f, _mm512_loadu_ps(acc + h * DIM + (c0 + c) * 32));
-      ao[h][c] = _mm512_mul_ps(f, _mm512_loadu_ps(acc + h * DIM + (c0 + c) * 32 + 16));
+      alo[h][c] = _mm512_mul_ps(f, _mm512_loadu_ps(acc + h * DIM + (c0 + c) * 32));
+      ahi[h][c] = _mm512_mul_ps(f, _mm512_loadu_ps(acc + h * DIM + (c0 + c) * 32 + 16));
     }
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  for (int64_t j = 0; j < n; ++j) {
+  // each head's probabilities as bf16, pair j / 2 of rows j and j + 1 in one dword (0 past n, as p is)
+  alignas(32) uint32_t pp[NH][TILE / 2];
+  for (int h = 0; h < NH; ++h)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[h]), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + h * TILE)));
+  for (int64_t j = 0; j < n; j += 2) {
+    const bool second = j + 1 < n;
     if (pf) prefetch_row<DIM / 32, NEAR>(pf + j * row_len);
     if (far) prefetch_row<DIM / 32, FAR>(far + j * row_len);
-    const auto* vr = reinterpret_cast<const __m512i*>(v + j * row_len) + c0;
+    if (pf && second) prefetch_row<DIM / 32, NEAR>(pf + (j + 1) * row_len);
+    if (far && second) prefetch_row<DIM / 32, FAR>(far + (j + 1) * row_len);
+    const auto* va = reinterpret_cast<const __m512i*>(v + j * row_len) + c0;
+    const auto* vb = reinterpret_cast<const __m512i*>(v + (j + 1) * row_len) + c0;
+    __m512bh w[NH];
+    for (int h = 0; h < NH; ++h) w[h] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[h][j / 2]));
     for (int c = 0; c < NC; ++c) {
-      const __m512i x = _mm512_loadu_si512(vr + c);
-      const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      const __m512i a = _mm512_loadu_si512(va + c);
+      const __m512i b = second ? _mm512_loadu_si512(vb + c) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
       for (int h = 0; h < NH; ++h) {
-        const __m512 pj = _mm512_set1_ps(p[h * TILE + j]);
-        ae[h][c] = _mm512_fmadd_ps(pj, ve, ae[h][c]);
-        ao[h][c] = _mm512_fmadd_ps(pj, vo, ao[h][c]);
+        alo[h][c] = _mm512_dpbf16_ps(alo[h][c], lo, w[h]);
+        ahi[h][c] = _mm512_dpbf16_ps(ahi[h][c], hi, w[h]);
       }
     }
   }
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) {
-      _mm512_storeu_ps(acc + h * DIM + (c0 + c) * 32, ae[h][c]);
-      _mm512_storeu_ps(acc + h * DIM + (c0 + c) * 32 + 16, ao[h][c]);
+      _mm512_storeu_ps(acc + h * DIM + (c0 + c) * 32, alo[h][c]);
+      _mm512_storeu_ps(acc + h * DIM + (c0 + c) * 32 + 16, ahi[h][c]);
     }
 }
 
@@ -452,16 +464,19 @@ void group_pv(float* acc, const float* p, const float* corr, const at::BFloat16*
   }
 }
 
-// out = acc / l as bf16, columns interleaved back from the even/odd accumulator layout
+// out = acc / l as bf16, each chunk's columns put back in order from tile_pv's layout: its two halves' groups
+// of four columns (L = 0..3) alternate, low half's first
 template <int64_t DIM>
 void store_heads(const float* acc, const float* l, int64_t hq, at::BFloat16* out) {
+  const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t h = 0; h < hq; ++h) {
     const __m512 inv = _mm512_set1_ps(l[h] > 0.f ? 1.f / l[h] : 0.f);
     for (int64_t c = 0; c < DIM / 32; ++c) {
       const float* a = acc + h * DIM + c * 32;
-      const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(a))));
-      const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(a + 16))));
-      _mm512_storeu_si512(out + h * DIM + c * 32, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+      const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(a)));
+      const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(a + 16)));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      _mm512_storeu_si512(out + h * DIM + c * 32, _mm512_permutexvar_epi64(order, both));
     }
   }
 }
