@@ -60,6 +60,10 @@ def _check(ctx_lens: list[int], hq: int, hk: int, dim: int, block_size: int = 16
     expected = get_backend("torch_ref").forward(q, empty, empty, k_cache, v_cache, meta, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        # over the whole output: the bf16 rounding of the output leaves about 1.2e-3, P rounded to bf16 for
+        # the products with V about 0.2e-3 more; a head or a column a few percent off shows
+        assert float((got.float() - expected.float()).norm() / expected.float().norm()) < 3e-3
 
 
 # contexts of 1 to 770 keys: within one tile, off the 16-key tile, exactly on it, over many blocks
