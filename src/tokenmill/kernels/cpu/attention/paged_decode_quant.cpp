@@ -244,6 +244,39 @@ void head_i16_init(HeadI16<DIM>& hs, const at::BFloat16* q, float scale) {
   for (auto& a : hs.acc) std::fill(a, a + 16, 0.f);
 }
 
+// bit l of bits moved to bit l * stride (2 or 4)
+__attribute__((always_inline)) inline __mmask16 spread(uint32_t bits, int stride) {
+  if (bits == (1u << (16 / stride)) - 1) return static_cast<__mmask16>(stride == 2 ? 0x5555u : 0x1111u);  // all
+  uint32_t m = 0;
+  for (int l = 0; bits != 0; ++l, bits >>= 1) m |= (bits & 1u) << (l * stride);
+  return static_cast<__mmask16>(m);
+}
+
+// The scales of a tile's n <= 16 keys for one kv head, p[j * hk] for j < n, as 16 lanes (0 past n). One to four
+// kv heads: the tile's rows of scales loaded (masked to the lanes wanted, so never past the pool) and picked out
+// with permutes; more: a gather.
+__attribute__((always_inline)) inline __m512 tile_scales(const float* p, int64_t hk, int64_t n) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  if (hk == 1) return _mm512_maskz_loadu_ps(valid, p);
+  if (hk == 2) {
+    const __mmask16 lo = spread(valid & 0xFFu, 2);
+    const __mmask16 hi = spread(valid >> 8, 2);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(lo, p), even, _mm512_maskz_loadu_ps(hi, p + 16));
+  }
+  if (hk == 4) {
+    __m512 z[4];
+    for (int i = 0; i < 4; ++i)
+      z[i] = _mm512_maskz_loadu_ps(spread((valid >> (4 * i)) & 0xFu, 4), p + 16 * i);
+    const __m512i fourth = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm512_shuffle_f32x4(_mm512_permutex2var_ps(z[0], fourth, z[1]), _mm512_permutex2var_ps(z[2], fourth, z[3]),
+                                0x44);
+  }
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(hk)));
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, p, 4);
+}
+
 // NG query heads of one kv head over a tile of n <= 16 keys: K rows kt + j * row_len, V rows vt + j * row_len,
 // their scales ks[j * hk], vs[j * hk]; rows to prefetch (one per key) while the tile is worked on: kpf / vpf into
 // L1 (the next block's rows at the same place), kfar / vfar into L2 (the block after next's).
@@ -252,12 +285,13 @@ void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_
               const float* vs, int64_t hk, const char* kpf, const char* vpf, const char* kfar, const char* vfar) {
   constexpr int NV = DIM / 32;  // zmm of int16 per row
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  // scores: si[g][a] lane (L, k) sums key 4a + k over the dims of lane L
-  __m512i si[NG][4];
-  for (int g = 0; g < NG; ++g)
-    for (int a = 0; a < 4; ++a) si[g][a] = _mm512_setzero_si512();
-  for (int c = 0; c < NV; ++c)
-    for (int a = 0; a < 4; ++a) {
+  // scores, 4 keys at a time (a): si[g] lane (L, k) sums key 4a + k over the dims of lane L; each pair of groups'
+  // sums folded as it is done (half[g][0]: keys 0-7, half[g][1]: keys 8-15), so that few sums live at once
+  __m512i half[NG][2], first[NG];
+  for (int a = 0; a < 4; ++a) {
+    __m512i si[NG];
+    for (int g = 0; g < NG; ++g) si[g] = _mm512_setzero_si512();
+    for (int c = 0; c < NV; ++c) {
       __m512i x[4], u[4];
       for (int k = 0; k < 4; ++k) {
         const int64_t j = 4 * a + k;
@@ -267,19 +301,23 @@ void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_
       }
       tokenmill::transpose4x4(x, u);
       for (int b = 0; b < 4; ++b)
-        for (int g = 0; g < NG; ++g) si[g][a] = _mm512_dpwssd_epi32(si[g][a], u[b], hs[g].qp[c][b]);
+        for (int g = 0; g < NG; ++g) si[g] = _mm512_dpwssd_epi32(si[g], u[b], hs[g].qp[c][b]);
     }
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(static_cast<int32_t>(hk)));
-  const __m512 kscale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, ks, 4);
-  const __m512 vscale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, vs, 4);
+    for (int g = 0; g < NG; ++g) {
+      if (a % 2 == 0) {
+        first[g] = si[g];
+      } else {
+        half[g][a / 2] = _mm512_add_epi32(_mm512_shuffle_i32x4(first[g], si[g], 0x44),
+                                          _mm512_shuffle_i32x4(first[g], si[g], 0xee));
+      }
+    }
+  }
+  const __m512 kscale = tile_scales(ks, hk, n);
+  const __m512 vscale = tile_scales(vs, hk, n);
   alignas(64) int32_t wpair[NG][KTILE / 2];
   float sw[NG];
   for (int g = 0; g < NG; ++g) {
-    const __m512i m01 = _mm512_add_epi32(_mm512_shuffle_i32x4(si[g][0], si[g][1], 0x44),
-                                         _mm512_shuffle_i32x4(si[g][0], si[g][1], 0xee));
-    const __m512i m23 = _mm512_add_epi32(_mm512_shuffle_i32x4(si[g][2], si[g][3], 0x44),
-                                         _mm512_shuffle_i32x4(si[g][2], si[g][3], 0xee));
+    const __m512i m01 = half[g][0], m23 = half[g][1];
     const __m512i tot = _mm512_add_epi32(_mm512_shuffle_i32x4(m01, m23, 0x88), _mm512_shuffle_i32x4(m01, m23, 0xdd));
     const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(kscale, _mm512_set1_ps(hs[g].sq)));
     float corr;
@@ -290,8 +328,8 @@ void tile_i16(HeadI16<DIM>* hs, const int8_t* kt, const int8_t* vt, int64_t row_
     }
     const float wmax = _mm512_reduce_max_ps(w);  // w >= 0
     sw[g] = wmax / 32767.f;
-    const __m512i wi = wmax > 0.f ? _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(32767.f / wmax)))
-                                  : _mm512_setzero_si512();
+    // (no branch on wmax: where it is 0 every w is, and so is every wi)
+    const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(32767.f / std::max(wmax, 1e-30f))));
     _mm256_store_si256(reinterpret_cast<__m256i*>(wpair[g]), _mm512_cvtepi32_epi16(wi));
   }
   // values: two keys' rows interleaved per pair of dims, each head's pair of weights broadcast
