@@ -88,9 +88,11 @@ def quantized_step(query_lens: list[int], ctx_lens: list[int], hq: int, hk: int,
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # the C++ kernel takes a kv head's query heads in runs of up to 4 (head size 64) or 2 (128): groups of 6 and 3
-# split into two runs
+# split into two runs; its integer path (bf16 over int8, head size 64 or 128) reads a tile's scales by permutes
+# for 1, 2 or 4 kv heads and by a gather for more (8)
 @pytest.mark.parametrize("hq,hk,dim,bs,window", [(8, 2, 64, 8, None), (6, 3, 20, 5, None), (4, 1, 48, 16, 7),
-                                                 (4, 4, 128, 3, 40), (12, 2, 64, 16, None), (6, 2, 128, 8, 20)])
+                                                 (4, 4, 128, 3, 40), (12, 2, 64, 16, None), (6, 2, 128, 8, 20),
+                                                 (4, 1, 64, 16, None), (16, 8, 64, 16, 30)])
 def test_backend_reads_the_quantized_cache_like_the_reference(backend: str, qdtype: torch.dtype, dtype: torch.dtype,
                                                               hq: int, hk: int, dim: int, bs: int,
                                                               window: int | None) -> None:
