@@ -193,6 +193,29 @@ def test_long_quantized_chunks_read_like_the_reference(qdtype: torch.dtype, hq: 
     assert float((got.float() - expected).norm() / expected.norm()) < 6e-3
 
 
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
+@pytest.mark.parametrize("dim", [64, 128, 48])
+def test_cpp_kernel_reads_every_fp8_code_as_its_value(dim: int) -> None:
+    """Every fp8 e4m3 code (zeros, subnormals, normals, NaN, both signs) read by the C++ kernel as float32's own
+    conversion of it: a context of one key, whose V row holds the codes and whose scale is 1, attends with
+    weight 1, so the output is that row (head sizes 64 and 128 decode 16 codes at a time in registers)."""
+    ops = load_cpu_kernels()
+    n = -(-256 // dim) * dim  # every code at least once, in rows of dim
+    codes = (torch.arange(n) % 256).to(torch.uint8).view(torch.float8_e4m3fn).view(-1, dim)
+    rows = codes.shape[0]
+    kc = torch.zeros(rows, 8, 1, dim, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    vc[:, 0, 0] = codes
+    ones = torch.ones(rows, 8, 1)
+    got = ops.paged_attention_quant(torch.randn(rows, 2, dim), kc, vc, ones, ones,
+                                    torch.arange(rows, dtype=torch.int32)[:, None], torch.ones(rows, dtype=torch.int32),
+                                    dim**-0.5, 0)
+    expected = codes.float()
+    for h in range(2):
+        assert torch.equal(got[:, h].isnan(), expected.isnan())
+        assert torch.equal(got[:, h].nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
 def test_a_backend_without_quantized_support_is_refused() -> None:
     class Plain:
         name = "plain"

@@ -117,12 +117,23 @@ void attend(const T* q, int64_t q_row_stride, int64_t q_head_stride, const E* kc
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 cached elements from e as float (int8: sign-extended; fp8 e4m3: through the 256-entry table)
+// 16 cached elements from e as float (int8: sign-extended; fp8 e4m3: decoded in registers, the 256-entry table's
+// values: a normal code's magnitude bits shifted into a float's exponent and mantissa with the exponent rebiased
+// (+120), a subnormal one's (exponent bits 0) 3 mantissa bits times 2^-9, the all-ones magnitude NaN, the sign bit
+// moved to the float's)
 inline __m512 widen16(const int8_t* e, const float*) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e))));
 }
-inline __m512 widen16(const uint8_t* e, const float* lut) {
-  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e))), lut, 4);
+inline __m512 widen16(const uint8_t* e, const float*) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512.f));
+  __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
+  v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), v,
+                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
 // The kv head's row at slot (DIM elements) widened into f; the row `ahead` slots on is prefetched beside it
