@@ -4,8 +4,6 @@ the reference (torch_ref over the dequantized cache): mixed batches, odd head si
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -155,9 +153,15 @@ def test_cpu_backend_sends_long_quantized_chunks_past_the_row_kernel(monkeypatch
         kernel_rows.append(query.shape[0])
         real_kernel(query, *args)
 
-    monkeypatch.setattr(fast, "ops", SimpleNamespace(**{name: getattr(fast.ops, name) for name in
-                                                        ("paged_attention_quant", "has_prefill_kernel")},
-                                                     prefill_attention=kernel_spy))
+    real_ops = fast.ops
+
+    class SpiedOps:  # the real ops, the prefill kernel's calls counted
+        prefill_attention = staticmethod(kernel_spy)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_ops, name)
+
+    monkeypatch.setattr(fast, "ops", SpiedOps())
     fast.prepare(meta, torch.device("cpu"))
     got = fast.forward(q, k_new, v_new, kc, vc, meta, 0.2, scales)
     takes_kernel = fast._dequantized_prefill(q, 70)

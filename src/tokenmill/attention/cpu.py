@@ -244,15 +244,16 @@ class CpuBackend(SdpaBackend):
     def _prefill_dequantized(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              meta: AttentionMetadata, b: int, scale: float, kv_scales: KVScales) -> torch.Tensor:
         """Chunk b's rows through the C++ prefill kernel, over its context dequantized to bf16 blocks of their
-        own (the values SDPA's path attends to), K/V laid out as a cache of one sequence."""
+        own (the values SDPA's path attends to; the last block's rows past the context zero), K/V laid out as a
+        cache of one sequence."""
         ctx, bs = meta.seq_lens[b], k_cache.shape[1]
         table = meta.block_tables[b]
         blocks = (ctx + bs - 1) // bs
         shape = (blocks, bs, *k_cache.shape[2:])
-        k = torch.zeros(shape, dtype=q.dtype).view(blocks * bs, *k_cache.shape[2:])
-        v = torch.zeros(shape, dtype=q.dtype).view(blocks * bs, *k_cache.shape[2:])
-        k[:ctx] = gather_dequantized(k_cache, kv_scales.k, table, ctx, q.dtype)
-        v[:ctx] = gather_dequantized(v_cache, kv_scales.v, table, ctx, q.dtype)
+        k = gather_dequantized(k_cache, kv_scales.k, table, blocks * bs, q.dtype)  # the context's whole blocks
+        v = gather_dequantized(v_cache, kv_scales.v, table, blocks * bs, q.dtype)
+        k[ctx:] = 0
+        v[ctx:] = 0
         out = torch.empty(q.shape, dtype=q.dtype)
         self.ops.prefill_attention(q, k.view(shape), v.view(shape), torch.arange(blocks, dtype=torch.int32)[None],
                                    torch.tensor([0, q.shape[0]], dtype=torch.int32),
