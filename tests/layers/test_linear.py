@@ -1,6 +1,7 @@
 """The unquantized linear method's packed oneDNN path (CPU bf16) and the C++ GEMV it uses where that is
 faster (1-4 rows; any number of rows for K up to 2048, in tiles; 1-32 rows in AMX tiles where AMX-BF16 is
-usable), against plain nn.Linear, their reference; and the layers' shard loading."""
+usable), against plain nn.Linear, their reference; tokenmill's packer into oneDNN's layout, against oneDNN's reorder;
+and the layers' shard loading."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from tokenmill.layers.linear import (
     MergedLinear,
     QKVLinear,
     UnquantizedLinearMethod,
+    WeightPacker,
     WeightStaging,
     gemv_layout_ok,
     linear_gelu,
+    pack_weight,
     packed_linear,
     packing_available,
 )
@@ -324,3 +327,101 @@ def test_method_keeps_onednn_when_the_probe_fails() -> None:
     layer = _loaded(Linear(96, 200, False, torch.bfloat16, method), method,
                     nn.Linear(96, 200, bias=False).to(torch.bfloat16))
     assert layer.packed and layer.gemv_ops is None
+
+
+needs_packer = pytest.mark.skipif(OPS is None, reason="tokenmill's C++ kernels are not built here")
+PACKER_SHAPES = [(200, 96), (5, 3), (130, 33), (64, 64), (1, 7), (300, 70), (7, 2048)]
+
+
+def _onednn_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@needs_packer
+@pytest.mark.parametrize("shape", PACKER_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packer_writes_the_bytes_of_onednns_reorder(shape: tuple[int, int], threads: int) -> None:
+    """pack_ab16b64a2b against oneDNN's reorder, byte for byte, padding included: N and K off the blocks, odd K, K
+    under one pair-chunk; the blocks split over threads."""
+    torch.manual_seed(shape[0] * shape[1])
+    weight = torch.randn(shape).to(torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert OPS.onednn_bytes_equal(pack_weight(weight), OPS.pack_ab16b64a2b(weight))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_packer
+@pytest.mark.parametrize("shape", PACKER_SHAPES)
+def test_weight_packer_packs_a_shapes_later_weights_itself(shape: tuple[int, int]) -> None:
+    """The first weight of a shape is oneDNN's reorder; the next ones are tokenmill's packer's bytes under oneDNN's
+    descriptor, which oneDNN's product and the GEMV read as they read oneDNN's own packing."""
+    torch.manual_seed(shape[0] + shape[1])
+    packer = WeightPacker(OPS)
+    first, second = (torch.randn(shape).to(torch.bfloat16) for _ in range(2))
+    packed_first, storage_first = packer.pack(first)
+    assert storage_first is None and packed_first.is_mkldnn
+    packed, storage = packer.pack(second)
+    reference = pack_weight(second)
+    assert storage is not None and packed.is_mkldnn and tuple(packed.shape) == shape
+    assert OPS.onednn_bytes_equal(reference, storage)
+    assert torch.ops.mkldnn.data_ptr(packed) == storage.data_ptr()
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, shape[1]).to(torch.bfloat16)
+        torch.testing.assert_close(_onednn_product(x, packed), _onednn_product(x, reference), rtol=0, atol=0)
+        if HAS_GEMV and gemv_layout_ok(OPS):
+            torch.testing.assert_close(OPS.packed_gemv(x, packed, None), OPS.packed_gemv(x, reference, None),
+                                       rtol=0, atol=0)
+
+
+class MisplacingPacker:
+    """tokenmill's packer writing its bytes one output block late: the first weight's comparison must catch it."""
+
+    def pack_ab16b64a2b(self, weight: torch.Tensor) -> torch.Tensor:
+        assert OPS is not None
+        return torch.roll(OPS.pack_ab16b64a2b(weight), 64 * 32)
+
+    def onednn_bytes_equal(self, packed: torch.Tensor, storage: torch.Tensor) -> bool:
+        assert OPS is not None
+        return bool(OPS.onednn_bytes_equal(packed, storage))
+
+
+@needs_packer
+def test_weight_packer_keeps_onednn_where_the_bytes_differ() -> None:
+    torch.manual_seed(2)
+    packer = WeightPacker(MisplacingPacker())
+    weights = [torch.randn(200, 96).to(torch.bfloat16) for _ in range(3)]
+    for weight in weights:
+        packed, storage = packer.pack(weight)
+        assert storage is None and OPS.onednn_bytes_equal(packed, OPS.pack_ab16b64a2b(weight))
+
+
+@needs_packer
+def test_weight_packer_leaves_other_weights_to_onednn() -> None:
+    """float32 weights (packed where oneDNN has no bf16 path) and non-contiguous ones go to oneDNN's reorder."""
+    packer = WeightPacker(OPS)
+    weight = torch.randn(96, 64)
+    for _ in range(2):
+        assert packer.pack(weight.to(torch.bfloat16).t().contiguous().t())[1] is None
+        assert packer.pack(weight)[1] is None
+    assert packer.pack(weight.to(torch.bfloat16))[1] is None  # its shape's first
+    assert WeightPacker(None).pack(weight.to(torch.bfloat16))[1] is None
+
+
+@needs_packer
+def test_layers_keep_the_memory_their_packed_weight_reads() -> None:
+    """A layer packed by tokenmill's packer holds the storage; the product reads it after every other reference to
+    it is gone."""
+    torch.manual_seed(3)
+    method = UnquantizedLinearMethod(OPS)
+    weights = [torch.randn(200, 96, dtype=torch.bfloat16) for _ in range(2)]
+    layers = [Linear(96, 200, False, torch.bfloat16, method) for _ in weights]
+    for layer, weight in zip(layers, weights, strict=True):
+        layer.weight_loader(layer.weight, weight)
+        method.process_weights_after_loading(layer)
+    assert layers[0].packed_storage is None and layers[1].packed_storage is not None
+    x = torch.randn(9, 96, dtype=torch.bfloat16)
+    for layer, weight in zip(layers, weights, strict=True):
+        torch.testing.assert_close(layer(x), _pack_reference(weight, None, x), rtol=0, atol=0)

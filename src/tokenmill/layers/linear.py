@@ -115,6 +115,8 @@ class LinearBase(nn.Module):
         # the unquantized method's fast paths: whether `weight` is oneDNN-packed; the decode GEMV's ops (the C++
         # one over a packed weight, or on a GPU the Triton one over the plain weight) and the most rows it takes
         self.packed = False
+        # the memory a packed weight reads where WeightPacker's packer wrote it: the oneDNN tensor does not own it
+        self.packed_storage: torch.Tensor | None = None
         self.gemv_ops: Any = None
         self.gemv_max_rows = 0
         self.gemv_gated: Any = None  # gemv_ops.gated_gemv where it has one (resolved once: not per step)
@@ -390,6 +392,39 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+class WeightPacker:
+    """Writes bf16 weights in oneDNN's packed layout. oneDNN's reorder (pack_weight) packs the first weight of each
+    shape; where tokenmill's packer (ops.pack_ab16b64a2b, threads writing whole output blocks) writes the same bytes
+    for it, that packer packs the rest of the shape's weights, wrapped as oneDNN tensors of the first one's memory
+    descriptor. It reads and writes each weight once, as a copy does; oneDNN's reorder takes several times longer,
+    which is most of loading a large model. Elsewhere, and for other dtypes, oneDNN's reorder packs every weight."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops if ops is not None and hasattr(ops, "pack_ab16b64a2b") else None
+        self._descriptors: dict[tuple[int, int], torch.Tensor | None] = {}  # per (N, K); None: oneDNN's bytes differ
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the packed weight, the tensor owning its bytes where that is not the packed weight itself: to be kept
+        alive as long as the packed weight is used)."""
+        weight = weight.detach()
+        if self.ops is None or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+            return pack_weight(weight), None
+        shape = (int(weight.shape[0]), int(weight.shape[1]))
+        if shape not in self._descriptors:
+            packed = pack_weight(weight)
+            same = bool(self.ops.onednn_bytes_equal(packed, self.ops.pack_ab16b64a2b(weight)))
+            self._descriptors[shape] = torch.ops.mkldnn._get_mkldnn_serialized_md(packed) if same else None
+            if not same:
+                logger.info("oneDNN packs a %d x %d weight in another layout than tokenmill's packer; oneDNN packs it",
+                            *shape)
+            return packed, None
+        descriptor = self._descriptors[shape]
+        if descriptor is None:
+            return pack_weight(weight), None
+        storage = self.ops.pack_ab16b64a2b(weight)
+        return self.ops.onednn_over(storage, list(shape), descriptor), storage
+
+
 class UnquantizedLinearMethod:
     """Float weights. `pack`: reorder bf16 CPU weights for oneDNN after loading (float32 ones where oneDNN has no
     bf16 path); weights stored in another dtype than the model's (`weight_dtype`) are packed only for
@@ -419,6 +454,7 @@ class UnquantizedLinearMethod:
         # oneDNN chooses the packed layout per shape (on an AMX Xeon, N = 64 gets one of the same size that
         # the GEMV does not read), so each (N, K) is checked once against oneDNN's own product
         self._gemv_reads: dict[tuple[int, int], bool] = {}
+        self.packer = WeightPacker(ops)
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         if self.bf16_products and dtype != torch.float32:
@@ -443,7 +479,8 @@ class UnquantizedLinearMethod:
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight
         if self.repacks(layer):
-            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            packed, layer.packed_storage = self.packer.pack(weight)
+            layer.weight = nn.Parameter(packed, requires_grad=False)
             layer.packed = True
             if self.weight_dtype is None and self.gemv_ops is not None and self._gemv_reads_shape(layer):
                 self.enable_gemv(layer, self.gemv_ops)
