@@ -199,10 +199,12 @@ def test_long_quantized_chunks_read_like_the_reference(qdtype: torch.dtype, hq: 
 
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ kernels")
 @pytest.mark.parametrize("dim", [64, 128, 48])
-def test_cpp_kernel_reads_every_fp8_code_as_its_value(dim: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_kernel_reads_every_fp8_code_as_its_value(dim: int, dtype: torch.dtype) -> None:
     """Every fp8 e4m3 code (zeros, subnormals, normals, NaN, both signs) read by the C++ kernel as float32's own
     conversion of it: a context of one key, whose V row holds the codes and whose scale is 1, attends with
-    weight 1, so the output is that row (head sizes 64 and 128 decode 16 codes at a time in registers)."""
+    weight 1, so the output is that row (head sizes 64 and 128 decode 16 codes at a time in registers, to float32;
+    under bf16 queries, 32 at a time to bf16, which holds every e4m3 value exactly)."""
     ops = load_cpu_kernels()
     n = -(-256 // dim) * dim  # every code at least once, in rows of dim
     codes = (torch.arange(n) % 256).to(torch.uint8).view(torch.float8_e4m3fn).view(-1, dim)
@@ -211,13 +213,14 @@ def test_cpp_kernel_reads_every_fp8_code_as_its_value(dim: int) -> None:
     vc = torch.zeros_like(kc)
     vc[:, 0, 0] = codes
     ones = torch.ones(rows, 8, 1)
-    got = ops.paged_attention_quant(torch.randn(rows, 2, dim), kc, vc, ones, ones,
+    got = ops.paged_attention_quant(torch.randn(rows, 2, dim).to(dtype), kc, vc, ones, ones,
                                     torch.arange(rows, dtype=torch.int32)[:, None], torch.ones(rows, dtype=torch.int32),
                                     dim**-0.5, 0)
     expected = codes.float()
+    assert got.dtype == dtype
     for h in range(2):
-        assert torch.equal(got[:, h].isnan(), expected.isnan())
-        assert torch.equal(got[:, h].nan_to_num(0.0), expected.nan_to_num(0.0))
+        assert torch.equal(got[:, h].float().isnan(), expected.isnan())
+        assert torch.equal(got[:, h].float().nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
 def test_a_backend_without_quantized_support_is_refused() -> None:

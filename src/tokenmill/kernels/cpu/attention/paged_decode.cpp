@@ -260,6 +260,9 @@ void decode_f32_avx2(const float* q, int64_t q_seq_stride, int64_t q_head_stride
 // float registers for all heads of the group. A head's float accumulator keeps even and odd
 // columns apart (widening bf16 pairs then needs no shuffle); they are interleaved again when the
 // result is written.
+// The same code reads an fp8 e4m3 cache (E = uint8_t, the codes; one float32 scale per slot and kv head): each 32
+// codes are decoded to bf16 in a register as they are loaded (every e4m3 value is a bf16 value), the K scales
+// multiply a tile's scores before the softmax and the V scales its probabilities before they are rounded to bf16.
 constexpr int64_t TILE = 16;
 using tokenmill::exp16;
 using tokenmill::tile_softmax;
@@ -272,9 +275,30 @@ using tokenmill::transpose4x4;
 constexpr int NEAR = 3, FAR = 1;
 constexpr int64_t FAR_SLICES = 8;
 
-template <int64_t NV, int HINT>
-inline void prefetch_row(const at::BFloat16* p) {
-  for (int64_t c = 0; c < NV; ++c) __builtin_prefetch(p + c * 32, 0, HINT);
+template <int64_t NV, int HINT, typename E>
+inline void prefetch_row(const E* p) {
+  for (int64_t off = 0; off < NV * 32 * static_cast<int64_t>(sizeof(E)); off += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + off, 0, HINT);
+}
+
+// 32 cached elements at e as bf16 in one register: a bf16 cache's as stored
+__attribute__((always_inline)) inline __m512i load32(const at::BFloat16* e) { return _mm512_loadu_si512(e); }
+
+// bf16 bits of the e4m3 subnormals (exponent bits 0): mantissa m (0-7) is m * 2^-9; the rest is unused
+alignas(64) constexpr uint16_t kFp8Subnormals[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+// an fp8 e4m3 cache's 32 codes decoded exactly: a normal code's magnitude bits under bf16's exponent and mantissa
+// with the exponent rebiased (+120), a subnormal's from the table above, the all-ones magnitude NaN, the sign bit
+// moved to bf16's
+__attribute__((always_inline)) inline __m512i load32(const uint8_t* e) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
+  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                    _mm512_load_si512(kFp8Subnormals));
+  v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7FC0));
+  // v | (b << 8 & 0x8000)
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
 }
 
 // Raw scores without a full transpose: a chunk's 16 rows (16 dim pairs each) are transposed only
@@ -298,10 +322,9 @@ __attribute__((always_inline)) inline void finish_scores(__m512 (*acc)[4], float
 
 // Scores of NH <= 4 heads (qp: their permuted q) from the K rows in memory; kt, if given, keeps the
 // lane-transposed rows for further heads.
-template <int64_t NV, int NH, bool FULL>
-inline void heads_scores_load(const __m512i* qp, const at::BFloat16* k, int64_t row_len, int64_t n, float* s,
-                              const at::BFloat16* pf, const at::BFloat16* far, const at::BFloat16* far_v,
-                              __m512i* kt) {
+template <int64_t NV, int NH, bool FULL, typename E>
+inline void heads_scores_load(const __m512i* qp, const E* k, int64_t row_len, int64_t n, float* s, const E* pf,
+                              const E* far, const E* far_v, __m512i* kt) {
   // without a prefetch target, prefetch the rows being read (no branches in the unrolled code)
   if (!pf) pf = k;
   if (!far) far = k;
@@ -319,7 +342,7 @@ inline void heads_scores_load(const __m512i* qp, const at::BFloat16* k, int64_t 
         if (c == 0) prefetch_row<NV, NEAR>(pf + j * row_len);
         if (c == 0) prefetch_row<NV, FAR>(far + j * row_len);
         if (c == NV - 1) prefetch_row<NV, FAR>(far_v + j * row_len);
-        x[r] = _mm512_loadu_si512(k + j * row_len + c * 32);
+        x[r] = load32(k + j * row_len + c * 32);
       }
       // keeps each group's loads and prefetches between the previous and the next group's work, as
       // written: bunched up front they slow the DRAM-bound case
@@ -355,9 +378,9 @@ inline void heads_scores_kept(const __m512i* qp, const __m512i* kt, float* s) {
 // Prefetches: pf (near) and far of the K rows with the first chunk's loads, far_v (the V rows of the far
 // slice) with the last chunk's: issuing the far V prefetches here rather than in group_pv spreads the
 // long DRAM misses more evenly over a slice's work, which is faster on scattered blocks.
-template <int64_t NV, bool FULL>
-inline void group_scores(const __m512i* qp, const at::BFloat16* k, int64_t row_len, int64_t n, int64_t group,
-                         float* s, const at::BFloat16* pf, const at::BFloat16* far, const at::BFloat16* far_v) {
+template <int64_t NV, bool FULL, typename E>
+inline void group_scores(const __m512i* qp, const E* k, int64_t row_len, int64_t n, int64_t group, float* s,
+                         const E* pf, const E* far, const E* far_v) {
   switch (group) {
     case 1: heads_scores_load<NV, 1, FULL>(qp, k, row_len, n, s, pf, far, far_v, nullptr); return;
     case 2: heads_scores_load<NV, 2, FULL>(qp, k, row_len, n, s, pf, far, far_v, nullptr); return;
@@ -380,12 +403,13 @@ inline void group_scores(const __m512i* qp, const at::BFloat16* k, int64_t row_l
 }
 
 
-// tile_softmax for NH heads at once (their exp chains interleave): scores p[g * TILE ...] times scale
-// -> probabilities in place, with the heads' running m, l and corr.
+// tile_softmax for NH heads at once (their exp chains interleave): scores p[g * TILE ...] times scale (a
+// vector: per key, where the keys have scales of their own) -> probabilities in place, with the heads' running m,
+// l and corr.
 template <int NH>
-inline void heads_softmax(float* p, float scale, __mmask16 valid, float* m, __m512* l, float* corr) {
+inline void heads_softmax(float* p, __m512 scale, __mmask16 valid, float* m, __m512* l, float* corr) {
   __m512 s[NH];
-  for (int g = 0; g < NH; ++g) s[g] = _mm512_mul_ps(_mm512_loadu_ps(p + g * TILE), _mm512_set1_ps(scale));
+  for (int g = 0; g < NH; ++g) s[g] = _mm512_mul_ps(_mm512_loadu_ps(p + g * TILE), scale);
   for (int g = 0; g < NH; ++g) _mm512_storeu_ps(p + g * TILE, tile_softmax(s[g], valid, m[g], l[g], corr[g]));
 }
 
@@ -394,10 +418,11 @@ inline void heads_softmax(float* p, float scale, __mmask16 valid, float* m, __m5
 // pairs (vpunpck{l,h}wd), against each head's two probabilities rounded to bf16 (vdpbf16ps: the products of
 // the bf16 pairs summed in float32), as the prefill kernel rounds P. A chunk's accumulators keep its columns
 // in the order the unpacks leave them: acc[32c + 4L + i] is column 8L + i, acc[32c + 16 + 4L + i] column
-// 8L + 4 + i (store_heads puts them back in order).
-template <int64_t DIM, int NH, int NC>
-inline void tile_pv(float* acc, const float* p, const float* corr, const at::BFloat16* v, int64_t row_len,
-                    int64_t n, int64_t c0, const at::BFloat16* pf, const at::BFloat16* far) {
+// 8L + 4 + i (store_heads puts them back in order). vscale: the tile's V scales (an fp8 cache's), which multiply
+// the probabilities before they are rounded, or null.
+template <int64_t DIM, int NH, int NC, typename E>
+inline void tile_pv(float* acc, const float* p, const float* corr, const E* v, int64_t row_len, int64_t n,
+                    int64_t c0, const E* pf, const E* far, const float* vscale) {
   __m512 alo[NH][NC], ahi[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) {
@@ -407,21 +432,23 @@ inline void tile_pv(float* acc, const float* p, const float* corr, const at::BFl
     }
   // each head's probabilities as bf16, pair j / 2 of rows j and j + 1 in one dword (0 past n, as p is)
   alignas(32) uint32_t pp[NH][TILE / 2];
+  const __m512 vs = vscale ? _mm512_loadu_ps(vscale) : _mm512_set1_ps(1.f);
   for (int h = 0; h < NH; ++h)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[h]), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + h * TILE)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[h]),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(vs, _mm512_loadu_ps(p + h * TILE))));
   for (int64_t j = 0; j < n; j += 2) {
     const bool second = j + 1 < n;
     if (pf) prefetch_row<DIM / 32, NEAR>(pf + j * row_len);
     if (far) prefetch_row<DIM / 32, FAR>(far + j * row_len);
     if (pf && second) prefetch_row<DIM / 32, NEAR>(pf + (j + 1) * row_len);
     if (far && second) prefetch_row<DIM / 32, FAR>(far + (j + 1) * row_len);
-    const auto* va = reinterpret_cast<const __m512i*>(v + j * row_len) + c0;
-    const auto* vb = reinterpret_cast<const __m512i*>(v + (j + 1) * row_len) + c0;
+    const E* va = v + j * row_len + c0 * 32;
+    const E* vb = v + (j + 1) * row_len + c0 * 32;
     __m512bh w[NH];
     for (int h = 0; h < NH; ++h) w[h] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[h][j / 2]));
     for (int c = 0; c < NC; ++c) {
-      const __m512i a = _mm512_loadu_si512(va + c);
-      const __m512i b = second ? _mm512_loadu_si512(vb + c) : _mm512_setzero_si512();
+      const __m512i a = load32(va + c * 32);
+      const __m512i b = second ? load32(vb + c * 32) : _mm512_setzero_si512();
       const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
       for (int h = 0; h < NH; ++h) {
         alo[h][c] = _mm512_dpbf16_ps(alo[h][c], lo, w[h]);
@@ -437,29 +464,30 @@ inline void tile_pv(float* acc, const float* p, const float* corr, const at::BFl
 }
 
 // NH heads at once, in column chunks small enough that the accumulators stay in registers.
-template <int64_t DIM, int NH>
-inline void heads_pv(float* acc, const float* p, const float* corr, const at::BFloat16* v, int64_t row_len,
-                     int64_t n, const at::BFloat16* pf, const at::BFloat16* far) {
+template <int64_t DIM, int NH, typename E>
+inline void heads_pv(float* acc, const float* p, const float* corr, const E* v, int64_t row_len, int64_t n,
+                     const E* pf, const E* far, const float* vscale) {
   constexpr int NV = DIM / 32;
   constexpr int NC = NV % 4 == 0 && NH <= 3 ? 4 : NV % 2 == 0 && NH <= 6 ? 2 : 1;
-  for (int c0 = 0; c0 < NV; c0 += NC) tile_pv<DIM, NH, NC>(acc, p, corr, v, row_len, n, c0, c0 == 0 ? pf : nullptr, c0 == 0 ? far : nullptr);
+  for (int c0 = 0; c0 < NV; c0 += NC)
+    tile_pv<DIM, NH, NC>(acc, p, corr, v, row_len, n, c0, c0 == 0 ? pf : nullptr, c0 == 0 ? far : nullptr, vscale);
 }
 
-template <int64_t DIM>
-void group_pv(float* acc, const float* p, const float* corr, const at::BFloat16* v, int64_t row_len, int64_t n,
-              int64_t group, const at::BFloat16* pf, const at::BFloat16* far) {
+template <int64_t DIM, typename E>
+void group_pv(float* acc, const float* p, const float* corr, const E* v, int64_t row_len, int64_t n, int64_t group,
+              const E* pf, const E* far, const float* vscale) {
   for (int64_t h = 0; h < group; h += 8) {
     float* a = acc + h * DIM;
     const float *ph = p + h * TILE, *ch = corr + h;
     switch (std::min<int64_t>(8, group - h)) {
-      case 1: heads_pv<DIM, 1>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
-      case 2: heads_pv<DIM, 2>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
-      case 3: heads_pv<DIM, 3>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
-      case 4: heads_pv<DIM, 4>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
-      case 5: heads_pv<DIM, 5>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
-      case 6: heads_pv<DIM, 6>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
-      case 7: heads_pv<DIM, 7>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
-      default: heads_pv<DIM, 8>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr); break;
+      case 1: heads_pv<DIM, 1>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
+      case 2: heads_pv<DIM, 2>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
+      case 3: heads_pv<DIM, 3>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
+      case 4: heads_pv<DIM, 4>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
+      case 5: heads_pv<DIM, 5>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
+      case 6: heads_pv<DIM, 6>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
+      case 7: heads_pv<DIM, 7>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
+      default: heads_pv<DIM, 8>(a, ph, ch, v, row_len, n, h == 0 ? pf : nullptr, h == 0 ? far : nullptr, vscale); break;
     }
   }
 }
@@ -495,11 +523,13 @@ struct BlockCursor {
   void next() { ++bi; skip_empty(); }
 };
 
-template <int64_t DIM>
-void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_stride, const at::BFloat16* kc,
-                   const at::BFloat16* vc, const int32_t* tables, const int32_t* lens, at::BFloat16* out,
-                   int64_t num_seqs, int64_t hq, int64_t hk, int64_t bs, int64_t max_blocks, float scale,
-                   int64_t window) {
+// ks, vs: an fp8 cache's scales [slots, hk] (E = uint8_t); null for a bf16 cache
+template <int64_t DIM, typename E>
+void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_stride, const E* kc, const E* vc,
+                   const int32_t* tables, const int32_t* lens, at::BFloat16* out, int64_t num_seqs, int64_t hq,
+                   int64_t hk, int64_t bs, int64_t max_blocks, float scale, int64_t window, const float* ks,
+                   const float* vs) {
+  constexpr bool SCALED = std::is_same_v<E, uint8_t>;
   static_assert(DIM % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t NV = DIM / 32;
   const int64_t group = hq / hk, row_len = hk * DIM;
@@ -535,7 +565,7 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
       std::fill(lv.begin(), lv.end(), _mm512_setzero_ps());
       for (int64_t bi = start / bs; bi * bs < len; ++bi) {
         const int64_t p0 = std::max(start, bi * bs), rows = std::min(len, (bi + 1) * bs) - p0;
-        const int64_t base = (tables[b * max_blocks + bi] * bs + (p0 - bi * bs)) * row_len;
+        const int64_t slot0 = tables[b * max_blocks + bi] * bs + (p0 - bi * bs), base = slot0 * row_len;
         for (int64_t t = 0; t < rows; t += TILE) {
           const int64_t n = std::min(TILE, rows - t);
           const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -550,8 +580,18 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
                                                                    : -1;
             };
             const int64_t near = slice(near_slices), far = slice(FAR_SLICES);
-            const at::BFloat16 *kn = near >= 0 ? kc + near : nullptr, *vn = near >= 0 ? vc + near : nullptr;
-            const at::BFloat16 *kf = far >= 0 ? kc + far : nullptr, *vf = far >= 0 ? vc + far : nullptr;
+            const E *kn = near >= 0 ? kc + near : nullptr, *vn = near >= 0 ? vc + near : nullptr;
+            const E *kf = far >= 0 ? kc + far : nullptr, *vf = far >= 0 ? vc + far : nullptr;
+            // the tile's keys' scales (0 past n, where the scores are masked and the probabilities 0)
+            alignas(64) float kscale[TILE], vscale[TILE];
+            __m512 score_scale = _mm512_set1_ps(scale);
+            if constexpr (SCALED) {
+              for (int64_t j = 0; j < TILE; ++j) {
+                kscale[j] = j < n ? ks[(slot0 + t + j) * hk + kh] : 0.f;
+                vscale[j] = j < n ? vs[(slot0 + t + j) * hk + kh] : 0.f;
+              }
+              score_scale = _mm512_mul_ps(score_scale, _mm512_load_ps(kscale));
+            }
             const __m512i* qd = qv.data() + kh * group * NV * 4;
             if (n == TILE) group_scores<NV, true>(qd, kc + off, row_len, n, group, p.data(), kn, kf, vf);
             else group_scores<NV, false>(qd, kc + off, row_len, n, group, p.data(), kn, kf, vf);
@@ -559,13 +599,14 @@ void decode_dpbf16(const at::BFloat16* q, int64_t q_seq_stride, int64_t q_head_s
               float *pg = p.data() + g * TILE, *mg = m.data() + kh * group + g, *cg = corr.data() + g;
               __m512* lg = lv.data() + kh * group + g;
               switch (std::min<int64_t>(4, group - g)) {
-                case 1: heads_softmax<1>(pg, scale, valid, mg, lg, cg); break;
-                case 2: heads_softmax<2>(pg, scale, valid, mg, lg, cg); break;
-                case 3: heads_softmax<3>(pg, scale, valid, mg, lg, cg); break;
-                default: heads_softmax<4>(pg, scale, valid, mg, lg, cg); break;
+                case 1: heads_softmax<1>(pg, score_scale, valid, mg, lg, cg); break;
+                case 2: heads_softmax<2>(pg, score_scale, valid, mg, lg, cg); break;
+                case 3: heads_softmax<3>(pg, score_scale, valid, mg, lg, cg); break;
+                default: heads_softmax<4>(pg, score_scale, valid, mg, lg, cg); break;
               }
             }
-            group_pv<DIM>(acc.data() + kh * group * DIM, p.data(), corr.data(), vc + off, row_len, n, group, vn, nullptr);
+            group_pv<DIM>(acc.data() + kh * group * DIM, p.data(), corr.data(), vc + off, row_len, n, group, vn,
+                          static_cast<const E*>(nullptr), SCALED ? vscale : nullptr);
           }
         }
         for (int64_t i = 0; i + 1 < R; ++i) ring[i] = ring[i + 1];
@@ -650,13 +691,31 @@ void tokenmill::paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64
   B* ob = reinterpret_cast<B*>(out);
 #ifdef TOKENMILL_DPBF16
   if (dim == 64 || dim == 128) {
-    auto kernel = dim == 64 ? decode_dpbf16<64> : decode_dpbf16<128>;
-    kernel(qb, q_seq_stride, q_head_stride, kb, vb, tables, lens, ob, t, hq, hk, bs, max_blocks, scale, window);
+    auto kernel = dim == 64 ? decode_dpbf16<64, B> : decode_dpbf16<128, B>;
+    kernel(qb, q_seq_stride, q_head_stride, kb, vb, tables, lens, ob, t, hq, hk, bs, max_blocks, scale, window,
+           nullptr, nullptr);
     return;
   }
 #endif
   decode_any_dim(qb, q_seq_stride, q_head_stride, kb, vb, tables, lens, ob, t, hq, hk, dim, bs, max_blocks, scale,
                  window);
+}
+
+bool tokenmill::paged_decode_fp8_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_stride,
+                                      const uint8_t* kc, const uint8_t* vc, const float* ks, const float* vs,
+                                      const int32_t* tables, const int32_t* lens, uint16_t* out, int64_t t, int64_t hq,
+                                      int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks, float scale,
+                                      int64_t window) {
+#ifdef TOKENMILL_DPBF16
+  if (dim == 64 || dim == 128) {
+    using B = at::BFloat16;
+    auto kernel = dim == 64 ? decode_dpbf16<64, uint8_t> : decode_dpbf16<128, uint8_t>;
+    kernel(reinterpret_cast<const B*>(q), q_seq_stride, q_head_stride, kc, vc, tables, lens, reinterpret_cast<B*>(out),
+           t, hq, hk, bs, max_blocks, scale, window, ks, vs);
+    return true;
+  }
+#endif
+  return false;
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {

@@ -3,7 +3,9 @@
 // row-sized buffer as it is used, never the whole context. Every query row is one work item attending
 // over its own context length, so a step's decodes and prefill rows go in one call (a prefill row at
 // position p is a decode over the first p + 1 positions). K scales multiply the dot products, V scales
-// the probabilities. Online softmax per block, float32 accumulation.
+// the probabilities. Online softmax per block, float32 accumulation. bf16 queries over an fp8 cache go to
+// paged_decode.cpp's bf16-product kernel instead where it runs (tokenmill::paged_decode_fp8_bf16: the codes decoded
+// to bf16, keys 16 to a tile in the lanes of its products, so no sum across a vector per key).
 //
 // Also the quantizing store of a step's K/V (write_kv_quant_), the same arithmetic as
 // attention/kv_quant.py's quantize: scale = amax / qmax (1 where amax is 0), element = x / scale
@@ -24,6 +26,7 @@
 
 #include "avx512.h"
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -481,6 +484,15 @@ template <typename T, typename E>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ks,
                   const at::Tensor& vs, const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                   const Shape& sh) {
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<E, uint8_t>) {  // bf16 over fp8: bf16 products
+    if (tokenmill::paged_decode_fp8_bf16(
+            reinterpret_cast<const uint16_t*>(q.data_ptr<T>()), q.stride(0), q.stride(1),
+            static_cast<const uint8_t*>(kc.data_ptr()), static_cast<const uint8_t*>(vc.data_ptr()),
+            ks.data_ptr<float>(), vs.data_ptr<float>(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+            reinterpret_cast<uint16_t*>(out.data_ptr<T>()), sh.rows, sh.hq, sh.hk, sh.dim, sh.bs, sh.max_blocks,
+            sh.scale, sh.window))
+      return;
+  }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #if defined(__AVX512VNNI__)
   if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<E, int8_t>) {

@@ -29,6 +29,12 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_s
                        const uint16_t* vc, const int32_t* tables, const int32_t* lens, uint16_t* out, int64_t t,
                        int64_t hq, int64_t hk, int64_t dim, int64_t bs, int64_t max_blocks, float scale,
                        int64_t window);
+// the same over an fp8 e4m3 cache (the codes; float32 scales [slots, hk], value = code * scale), where it runs in
+// bf16 products (AVX512-BF16, head size 64 or 128): false, and nothing written, elsewhere
+bool paged_decode_fp8_bf16(const uint16_t* q, int64_t q_seq_stride, int64_t q_head_stride, const uint8_t* kc,
+                           const uint8_t* vc, const float* ks, const float* vs, const int32_t* tables,
+                           const int32_t* lens, uint16_t* out, int64_t t, int64_t hq, int64_t hk, int64_t dim,
+                           int64_t bs, int64_t max_blocks, float scale, int64_t window);
 // the same over float32 queries and caches (the paged_decode op's float32 form)
 void paged_decode_f32(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* kc, const float* vc,
                       const int32_t* tables, const int32_t* lens, float* out, int64_t t, int64_t hq, int64_t hk,
