@@ -126,3 +126,19 @@ def test_a_request_with_drafts_takes_a_row_per_position() -> None:
     # the runs: drafts while each is its row's token, then that row's token
     assert meta.runs([5, 40, 9, 9, 50, 51, 6]) == [[5], [40, 9], [50, 51], [6]]
     assert meta.runs([5, 40, 41, 42, 7, 51, 6]) == [[5], [40, 41, 42], [7], [6]]
+
+
+def test_steps_of_an_unchanged_batch_share_the_gathered_rows() -> None:
+    """The per-row tensors are gathered once per layout of rows while the batch's requests stay the same, and
+    again after a request is added or removed."""
+    table = SamplingTable()
+    table.add("a", make_row(PARAMS[0]))
+    table.add("b", make_row(PARAMS[3]))
+    first = table.view(["a", "b"])
+    again = table.view(["a", "b"])
+    assert again.temperature is first.temperature and again.greedy is first.greedy
+    drafted = table.view(["a", "b"], drafts={0: [7, 8]})
+    assert drafted.num_rows == 4 and drafted.temperature is not first.temperature
+    table.add("c", make_row(PARAMS[7]))
+    after = table.view(["a", "b"])
+    assert after.temperature is not first.temperature and after.temperature.tolist() == first.temperature.tolist()

@@ -170,6 +170,11 @@ class SamplingMetadata:
         return out
 
 
+GATHERED_KEPT = 16  # SamplingTable's most layouts of gathered tensors kept at once
+# a view's per-row temperature, top_k, top_p, min_p and greedy
+RowTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class SamplingTable:
     """One row per request the worker holds (see the module docstring)."""
 
@@ -195,6 +200,10 @@ class SamplingTable:
         # batch-wide counts of the rows with each need
         self.num_random = self.num_filter = self.num_seeded = self.num_never_plain = self.num_processors = 0
         self._pending: dict[str, SamplingRow] = {}  # rows with min_tokens to reach before they are plain
+        # view's per-row tensors (temperature, top_k, top_p, min_p, greedy) by (device, row indices), as long as no
+        # request is added or removed: the steps of a batch whose requests stay the same gather them once per
+        # layout of drafts. Their readers only read them.
+        self._gathered: dict[tuple[str, bytes], RowTensors] = {}
         self._logprobs = Counter[int]()  # logprobs asked -> rows asking
 
     def __len__(self) -> int:
@@ -221,6 +230,7 @@ class SamplingTable:
         self.index[req_id] = i
         self.req_ids.append(req_id)
         self.rows.append(row)
+        self._gathered.clear()
         if self.pending_plain[i]:
             self._pending[req_id] = row
         self._count(i, 1)
@@ -231,6 +241,7 @@ class SamplingTable:
             return
         self._count(i, -1)
         self._pending.pop(req_id, None)
+        self._gathered.clear()
         last = len(self.rows) - 1
         if i != last:  # condense: the last row fills the hole
             moved = self.req_ids[last]
@@ -254,13 +265,19 @@ class SamplingTable:
             sizes[list(drafts)] += [len(d) for d in drafts.values()]
             rows = np.repeat(idx, sizes)
 
-        def gathered(a: np.ndarray) -> torch.Tensor:  # (to a GPU without waiting for the step in flight)
-            return to_device(torch.from_numpy(a[rows]), device or torch.device("cpu"))
-
+        target = device or torch.device("cpu")
+        key = (str(target), rows.tobytes())
+        tensors = self._gathered.get(key)
+        if tensors is None:  # (to a GPU without waiting for the step in flight)
+            t, k, p, m, g = (to_device(torch.from_numpy(a[rows]), target)
+                             for a in (self.temperature, self.top_k, self.top_p, self.min_p, self.greedy))
+            tensors = (t, k, p, m, g)
+            if len(self._gathered) >= GATHERED_KEPT:
+                self._gathered.clear()
+            self._gathered[key] = tensors
         lp = self.logprobs[rows] if self._logprobs else None
         meta = SamplingMetadata(
-            gathered(self.temperature), gathered(self.top_k), gathered(self.top_p), gathered(self.min_p),
-            gathered(self.greedy), self.num_random == 0 or bool(self.greedy[idx].all()),
+            *tensors, self.num_random == 0 or bool(self.greedy[idx].all()),
             self.num_filter > 0 and bool(self.filter[idx].any()),
             self.num_never_plain > 0 and bool(self.never_plain[idx].any()),
             [self.rows[i] for i in idx[self.pending_plain[idx]]] if self._pending else [],
@@ -274,7 +291,7 @@ class SamplingTable:
 
     def _per_request(self, meta: SamplingMetadata, idx: np.ndarray) -> None:
         """The lists that name rows: seeded generators and processor rows (few requests have either)."""
-        first = meta.first_rows if meta.drafts else None
+        first = meta.first_rows if meta.drafts and (self.num_seeded or self.num_processors) else None
         for k in (np.flatnonzero(self.seeded[idx]).tolist() if self.num_seeded else ()):
             gen, row = self.rows[idx[k]].generator, first[k] if first else k
             assert gen is not None
