@@ -379,6 +379,9 @@ def test_weight_packer_packs_a_shapes_later_weights_itself(shape: tuple[int, int
 class MisplacingPacker:
     """tokenmill's packer writing its bytes one output block late: the first weight's comparison must catch it."""
 
+    def has_onednn_over(self) -> bool:
+        return True
+
     def pack_ab16b64a2b(self, weight: torch.Tensor) -> torch.Tensor:
         assert OPS is not None
         return torch.roll(OPS.pack_ab16b64a2b(weight), 64 * 32)

@@ -400,7 +400,8 @@ class WeightPacker:
     which is most of loading a large model. Elsewhere, and for other dtypes, oneDNN's reorder packs every weight."""
 
     def __init__(self, ops: Any) -> None:
-        self.ops = ops if ops is not None and hasattr(ops, "pack_ab16b64a2b") else None
+        usable = ops is not None and hasattr(ops, "pack_ab16b64a2b") and bool(ops.has_onednn_over())
+        self.ops = ops if usable else None
         self._descriptors: dict[tuple[int, int], torch.Tensor | None] = {}  # per (N, K); None: oneDNN's bytes differ
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,10 +17,11 @@
 
 namespace at::native {
 // exported by libtorch_cpu (ATen/native/mkldnn/MKLDNNCommon.h, whose ideep headers torch does not ship): an
-// opaque oneDNN tensor of the serialized memory descriptor over data_ptr, which it does not own
+// opaque oneDNN tensor of the serialized memory descriptor over data_ptr, which it does not own. Weak: a torch
+// without it leaves the address null (has_onednn_over), and the library still loads.
 TORCH_API at::Tensor mkldnn_tensor_from_data_ptr(void* data_ptr, at::IntArrayRef dims, at::ScalarType dtype,
                                                  at::Device device, const uint8_t* opaque_metadata,
-                                                 int64_t opaque_metadata_size);
+                                                 int64_t opaque_metadata_size) __attribute__((weak));
 }  // namespace at::native
 
 namespace {
@@ -100,6 +101,8 @@ at::Tensor pack_ab16b64a2b(const at::Tensor& weight) {
   return out;
 }
 
+bool has_onednn_over() { return &at::native::mkldnn_tensor_from_data_ptr != nullptr; }
+
 // the opaque oneDNN tensor [N, K] of `metadata` (mkldnn::_get_mkldnn_serialized_md of a tensor in this layout)
 // over storage's bytes. It does not own them: the caller keeps `storage` alive for as long as the result is used.
 at::Tensor onednn_over(const at::Tensor& storage, at::IntArrayRef sizes, const at::Tensor& metadata) {
@@ -107,6 +110,7 @@ at::Tensor onednn_over(const at::Tensor& storage, at::IntArrayRef sizes, const a
               "onednn_over: storage must be a contiguous bfloat16 CPU tensor");
   TORCH_CHECK(metadata.scalar_type() == at::kByte && metadata.is_contiguous(),
               "onednn_over: metadata must be contiguous uint8");
+  TORCH_CHECK(has_onednn_over(), "onednn_over: this torch does not export mkldnn_tensor_from_data_ptr");
   at::Tensor t = at::native::mkldnn_tensor_from_data_ptr(storage.data_ptr(), sizes, at::kBFloat16, storage.device(),
                                                          metadata.data_ptr<uint8_t>(), metadata.numel());
   static auto nbytes = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "")
@@ -132,6 +136,7 @@ bool onednn_bytes_equal(const at::Tensor& packed, const at::Tensor& storage) {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("pack_ab16b64a2b(Tensor weight) -> Tensor", &pack_ab16b64a2b);
+  m.def("has_onednn_over() -> bool", &has_onednn_over);
   m.def("onednn_over(Tensor storage, int[] sizes, Tensor metadata) -> Tensor", &onednn_over);
   m.def("onednn_bytes_equal(Tensor packed, Tensor storage) -> bool", &onednn_bytes_equal);
 }
