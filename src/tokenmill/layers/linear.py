@@ -396,8 +396,8 @@ class WeightPacker:
     """Writes bf16 weights in oneDNN's packed layout. oneDNN's reorder (pack_weight) packs the first weight of each
     shape; where tokenmill's packer (ops.pack_ab16b64a2b, threads writing whole output blocks) writes the same bytes
     for it, that packer packs the rest of the shape's weights, wrapped as oneDNN tensors of the first one's memory
-    descriptor. It reads and writes each weight once, as a copy does; oneDNN's reorder takes several times longer,
-    which is most of loading a large model. Elsewhere, and for other dtypes, oneDNN's reorder packs every weight."""
+    descriptor. It reads and writes each weight once, as a copy does (bench/README.md, the forty-fourth session,
+    times it against oneDNN's reorder). Elsewhere, and for other dtypes, oneDNN's reorder packs every weight."""
 
     def __init__(self, ops: Any) -> None:
         usable = ops is not None and hasattr(ops, "pack_ab16b64a2b") and bool(ops.has_onednn_over())
