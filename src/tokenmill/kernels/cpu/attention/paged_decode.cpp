@@ -284,19 +284,33 @@ inline void prefetch_row(const E* p) {
 // 32 cached elements at e as bf16 in one register: a bf16 cache's as stored
 __attribute__((always_inline)) inline __m512i load32(const at::BFloat16* e) { return _mm512_loadu_si512(e); }
 
-// bf16 bits of the e4m3 subnormals (exponent bits 0): mantissa m (0-7) is m * 2^-9; the rest is unused
-alignas(64) constexpr uint16_t kFp8Subnormals[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+// bf16 bits of an e4m3 magnitude m (7 bits, the sign apart): a normal one's exponent rebiased (+120) above its 3
+// mantissa bits; a subnormal one (exponent bits 0) is (m & 7) * 2^-9; all ones is NaN
+constexpr uint16_t fp8_magnitude_bf16(int m) {
+  const int e = m >> 3, f = m & 7;
+  if (m == 0x7F) return 0x7FC0;
+  if (e > 0) return static_cast<uint16_t>(((e + 120) << 7) | (f << 4));
+  if (f == 0) return 0;
+  const int p = f >= 4 ? 2 : f >= 2 ? 1 : 0;  // f = 2^p * (1 + rest)
+  return static_cast<uint16_t>(((118 + p) << 7) | ((f << (7 - p)) & 0x7F));
+}
 
-// an fp8 e4m3 cache's 32 codes decoded exactly: a normal code's magnitude bits under bf16's exponent and mantissa
-// with the exponent rebiased (+120), a subnormal's from the table above, the all-ones magnitude NaN, the sign bit
-// moved to bf16's
+struct Fp8Magnitudes {
+  alignas(64) uint16_t bits[128];
+  constexpr Fp8Magnitudes() : bits{} {
+    for (int m = 0; m < 128; ++m) bits[m] = fp8_magnitude_bf16(m);
+  }
+};
+alignas(64) constexpr Fp8Magnitudes kFp8Magnitudes{};
+
+// an fp8 e4m3 cache's 32 codes decoded exactly: each magnitude looked up in the table above (two 64-entry
+// permutes, by bit 6), the sign bit moved to bf16's
 __attribute__((always_inline)) inline __m512i load32(const uint8_t* e) {
   const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e)));
-  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
-  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-  v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
-                                    _mm512_load_si512(kFp8Subnormals));
-  v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7FC0));
+  const uint16_t* t = kFp8Magnitudes.bits;
+  const __m512i low = _mm512_permutex2var_epi16(_mm512_load_si512(t), b, _mm512_load_si512(t + 32));
+  const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(t + 64), b, _mm512_load_si512(t + 96));
+  const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, _mm512_set1_epi16(0x40)), low, high);
   // v | (b << 8 & 0x8000)
   return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
 }
