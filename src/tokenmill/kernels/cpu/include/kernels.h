@@ -7,6 +7,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace tokenmill {
 
@@ -44,8 +45,13 @@ void paged_decode_f32(const float* q, int64_t q_seq_stride, int64_t q_head_strid
 // and it is the source zero point of oneDNN's int8 matmul over quantize_rows_uint8's rows
 constexpr int64_t kRowZeroPoint = 128;
 
+// oneDNN's AB16b64a2b layout of a bf16 weight [N, K], which linear/gemv.cpp reads and linear/pack.cpp writes:
+// blocks of kPackedBlockN outputs, each holding all of K as chunks of kPackedBlockK k (16 k-pairs x 64 outputs x 2)
+constexpr int64_t kPackedBlockN = 64, kPackedBlockK = 32;
 // bytes of a [N, K] bf16 weight packed by oneDNN as AB16b64a2b (N padded to 64, K to 32)
 int64_t packed_gemv_bytes(int64_t N, int64_t K);
+// the raw buffer of an opaque oneDNN tensor and its size in bytes, through the mkldnn ops torch registers for that
+std::pair<void*, int64_t> onednn_buffer(const at::Tensor& t);
 
 // The row count a oneDNN product of m rows runs with (layers/linear.py's onednn_rows, which says why): m up
 // to 16, else m rounded up to a multiple of an eighth of the largest power of two below m

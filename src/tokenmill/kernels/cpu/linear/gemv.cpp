@@ -38,7 +38,7 @@
 
 namespace {
 
-constexpr int64_t kBlockN = 64, kBlockK = 32;
+constexpr int64_t kBlockN = tokenmill::kPackedBlockN, kBlockK = tokenmill::kPackedBlockK;
 constexpr int64_t kGemvRows = 4;     // up to this many rows: gemv_blocks, no software prefetch
 constexpr int64_t kAmxRows = 32;     // with AMX-BF16 usable, the most rows this kernel takes (amx_blocks): two tiles'
 constexpr int64_t kTileRows = 6;     // the tiled path's rows per tile (24 accumulators, 4 weight registers)
@@ -47,15 +47,12 @@ constexpr int64_t kChunkBytes = 256 << 10;  // the tiled path's rows of x at a t
 
 constexpr int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
-// the raw buffer of an opaque oneDNN tensor, through the mkldnn ops torch registers for that
+// the packed weight's buffer, checked to have the layout's size
 const uint16_t* packed_data(const at::Tensor& w, int64_t expected_bytes) {
-  static auto data_ptr = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "")
-                             .typed<int64_t(const at::Tensor&)>();
-  static auto nbytes = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "")
-                           .typed<int64_t(const at::Tensor&)>();
-  TORCH_CHECK(nbytes.call(w) == expected_bytes, "packed_gemv: the packed weight has ", nbytes.call(w),
+  const auto [data, bytes] = tokenmill::onednn_buffer(w);
+  TORCH_CHECK(bytes == expected_bytes, "packed_gemv: the packed weight has ", bytes,
               " bytes, the AB16b64a2b layout needs ", expected_bytes);
-  return reinterpret_cast<const uint16_t*>(data_ptr.call(w));
+  return static_cast<const uint16_t*>(data);
 }
 
 // one block of 64 outputs over all of K (Kp, a multiple of 32) for M rows of x. The block is one

@@ -2,7 +2,8 @@
 // each holding all of K as chunks of 32 k, a chunk being 16 k-pairs x 64 outputs x 2; N padded to 64 and K to 32
 // with zeros), by threads that each write whole output blocks, and the oneDNN tensor that reads those bytes.
 // oneDNN's own reorder (mkldnn::_reorder_linear_weight) produces the same bytes; tokenmill.layers.linear compares
-// the two once per shape before it uses this packer, and keeps oneDNN's reorder where they differ.
+// the two once per shape before it uses this packer, and keeps oneDNN's reorder where they differ. Also
+// tokenmill::onednn_buffer, through which gemv.cpp reads a packed weight's bytes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -10,6 +11,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
+
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -26,7 +30,7 @@ TORCH_API at::Tensor mkldnn_tensor_from_data_ptr(void* data_ptr, at::IntArrayRef
 
 namespace {
 
-constexpr int64_t kBlockN = 64, kBlockK = 32, kPairs = kBlockK / 2;
+constexpr int64_t kBlockN = tokenmill::kPackedBlockN, kBlockK = tokenmill::kPackedBlockK, kPairs = kBlockK / 2;
 
 constexpr int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
@@ -113,26 +117,28 @@ at::Tensor onednn_over(const at::Tensor& storage, at::IntArrayRef sizes, const a
   TORCH_CHECK(has_onednn_over(), "onednn_over: this torch does not export mkldnn_tensor_from_data_ptr");
   at::Tensor t = at::native::mkldnn_tensor_from_data_ptr(storage.data_ptr(), sizes, at::kBFloat16, storage.device(),
                                                          metadata.data_ptr<uint8_t>(), metadata.numel());
-  static auto nbytes = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "")
-                           .typed<int64_t(const at::Tensor&)>();
-  TORCH_CHECK(nbytes.call(t) == storage.numel() * 2, "onednn_over: the descriptor spans ", nbytes.call(t),
-              " bytes, the storage holds ", storage.numel() * 2);
+  const int64_t bytes = tokenmill::onednn_buffer(t).second;
+  TORCH_CHECK(bytes == storage.numel() * 2, "onednn_over: the descriptor spans ", bytes, " bytes, the storage holds ",
+              storage.numel() * 2);
   return t;
 }
 
 // whether an opaque oneDNN tensor's bytes equal storage's
 bool onednn_bytes_equal(const at::Tensor& packed, const at::Tensor& storage) {
+  TORCH_CHECK(packed.is_mkldnn() && storage.is_contiguous(), "onednn_bytes_equal: an opaque and a dense tensor");
+  const auto [data, n] = tokenmill::onednn_buffer(packed);
+  return n == storage.numel() * storage.element_size() && std::memcmp(data, storage.data_ptr(), n) == 0;
+}
+
+}  // namespace
+
+std::pair<void*, int64_t> tokenmill::onednn_buffer(const at::Tensor& t) {
   static auto data_ptr = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "")
                              .typed<int64_t(const at::Tensor&)>();
   static auto nbytes = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "")
                            .typed<int64_t(const at::Tensor&)>();
-  TORCH_CHECK(packed.is_mkldnn() && storage.is_contiguous(), "onednn_bytes_equal: an opaque and a dense tensor");
-  const int64_t n = nbytes.call(packed);
-  if (n != storage.numel() * storage.element_size()) return false;
-  return std::memcmp(reinterpret_cast<const void*>(data_ptr.call(packed)), storage.data_ptr(), n) == 0;
+  return {reinterpret_cast<void*>(data_ptr.call(t)), nbytes.call(t)};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("pack_ab16b64a2b(Tensor weight) -> Tensor", &pack_ab16b64a2b);
